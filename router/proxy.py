@@ -1,0 +1,573 @@
+"""The request path: parse, decide, forward, stream back, check the prediction.
+
+Forwarding rules (issue 4 §7):
+
+* The client sees nothing until the chosen engine sends its first body byte. Until then a
+  connect error, a dropped connection or a 5xx is retried on the next-best instance (at most
+  ``retries`` times); after it, a failure ends an SSE stream with an error event.
+* Streams are passed on chunk by chunk. When the client did not ask for usage, the router asks
+  the engine for it (``stream_options.include_usage``) to read ``cached_tokens``, then drops
+  that one usage-only chunk so that the client sees what it asked for.
+* Hop-by-hop headers are dropped both ways; the body goes through as the client sent it unless
+  the router had to add ``stream_options``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import random
+import time
+import uuid
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+import aiohttp
+from aiohttp import web
+
+from router.errors import RouterError, error_response, sse_error_event
+from router.instance import InstanceKey
+
+if TYPE_CHECKING:
+    from router.fleet import InstanceState
+    from router.server import Router
+
+log = logging.getLogger("router.proxy")
+
+HOP_BY_HOP = frozenset(
+    {
+        "connection",
+        "keep-alive",
+        "proxy-authenticate",
+        "proxy-authorization",
+        "proxy-connection",
+        "te",
+        "trailer",
+        "trailers",
+        "transfer-encoding",
+        "upgrade",
+    }
+)
+# Never forwarded upstream: recomputed by aiohttp, or would make the engine compress bytes
+# the router needs to read.
+_DROP_UP = HOP_BY_HOP | {"host", "content-length", "accept-encoding", "x-data-parallel-rank"}
+_DROP_DOWN = HOP_BY_HOP | {"content-length", "content-encoding", "server", "date"}
+
+# Paths passed to any healthy engine as they are (vLLM's serve routers).
+PASSTHROUGH_PATHS = (
+    "/tokenize",
+    "/detokenize",
+    "/version",
+    "/v1/embeddings",
+    "/pooling",
+    "/classify",
+    "/score",
+    "/v1/score",
+    "/rerank",
+    "/v1/rerank",
+    "/v2/rerank",
+    "/tokenizer_info",
+)
+
+
+# -- body -----------------------------------------------------------------------------------
+
+
+async def read_json_body(request: web.Request, max_bytes: int) -> dict[str, Any]:
+    """The request's JSON object, or a 4xx: too large (413), not JSON or not an object (400)."""
+    if request.content_length is not None and request.content_length > max_bytes:
+        raise RouterError(
+            413, f"request body is {request.content_length} bytes; the limit is {max_bytes}"
+        )
+    raw = await read_limited(request, max_bytes)
+    request["raw_body"] = raw
+    return parse_json_object(raw)
+
+
+async def read_limited(request: web.Request, max_bytes: int) -> bytes:
+    chunks: list[bytes] = []
+    size = 0
+    async for chunk in request.content.iter_any():
+        size += len(chunk)
+        if size > max_bytes:
+            raise RouterError(413, f"request body exceeds the limit of {max_bytes} bytes")
+        chunks.append(chunk)
+    return b"".join(chunks)
+
+
+def parse_json_object(raw: bytes) -> dict[str, Any]:
+    if not raw.strip():
+        raise RouterError(400, "request body is empty; expected a JSON object")
+    try:
+        body = json.loads(raw)
+    except (ValueError, UnicodeDecodeError) as e:
+        raise RouterError(400, f"request body is not valid JSON: {e}") from None
+    if not isinstance(body, dict):
+        raise RouterError(400, "request body must be a JSON object")
+    return body
+
+
+def validate_request(body: dict[str, Any], kind: str) -> None:
+    """The checks the router must make before routing (the engine makes the rest)."""
+    if kind == "chat":
+        msgs = body.get("messages")
+        if msgs is None:
+            raise RouterError(400, "'messages' is a required property", "messages")
+        if not isinstance(msgs, list) or not msgs:
+            raise RouterError(400, "'messages' must be a non-empty list", "messages")
+        if not all(isinstance(m, dict) for m in msgs):
+            raise RouterError(400, "each message must be an object", "messages")
+    else:
+        if body.get("prompt") is None and body.get("prompt_embeds") is None:
+            raise RouterError(400, "either 'prompt' or 'prompt_embeds' must be provided", "prompt")
+    stream = body.get("stream")
+    if stream is not None and not isinstance(stream, bool):
+        raise RouterError(400, "'stream' must be a boolean", "stream")
+    so = body.get("stream_options")
+    if so is not None and not isinstance(so, dict):
+        raise RouterError(400, "'stream_options' must be an object", "stream_options")
+
+
+def wants_prompt_logprobs(body: dict[str, Any], kind: str) -> bool:
+    """vLLM does not read its prefix cache for these requests, so they get no prefix credit."""
+    if body.get("prompt_logprobs") is not None:
+        return True
+    if body.get("echo"):
+        return body.get("top_logprobs" if kind == "chat" else "logprobs") is not None
+    return False
+
+
+def client_wants_usage(body: dict[str, Any]) -> bool:
+    so = body.get("stream_options")
+    return bool(isinstance(so, dict) and so.get("include_usage"))
+
+
+def upstream_headers(request: web.Request, request_id: str, rank: int, dp: int) -> dict[str, str]:
+    out = {k: v for k, v in request.headers.items() if k.lower() not in _DROP_UP}
+    out["X-Request-Id"] = request_id
+    if dp > 1:
+        out["X-data-parallel-rank"] = str(rank)
+    return out
+
+
+def downstream_headers(resp: aiohttp.ClientResponse) -> dict[str, str]:
+    return {k: v for k, v in resp.headers.items() if k.lower() not in _DROP_DOWN}
+
+
+def request_id_of(request: web.Request) -> str:
+    rid = request.headers.get("X-Request-Id", "")
+    return rid if 0 < len(rid) <= 128 and rid.isprintable() else uuid.uuid4().hex
+
+
+# -- SSE ------------------------------------------------------------------------------------
+
+
+class SseUsageReader:
+    """Splits an SSE byte stream into events and finds the usage in it.
+
+    ``feed`` returns the bytes to pass on. With ``strip`` it holds back a partial event until
+    it is complete (never across complete events) and drops the usage-only chunk; without, it
+    returns its input unchanged and only watches.
+    """
+
+    def __init__(self, strip: bool) -> None:
+        self.strip = strip
+        self.usage: dict[str, Any] | None = None
+        self._buf = b""
+
+    def feed(self, data: bytes) -> bytes:
+        buf = self._buf + data
+        end = buf.rfind(b"\n\n")
+        if end < 0:
+            self._buf = buf
+            return b"" if self.strip else data
+        complete, self._buf = buf[: end + 2], buf[end + 2 :]
+        if b'"usage"' not in complete:
+            return complete if self.strip else data
+        out: list[bytes] = []
+        for ev in complete.split(b"\n\n"):
+            if not ev:
+                continue
+            if b'"usage"' in ev and self._take_usage(ev) and self.strip:
+                continue
+            out.append(ev + b"\n\n")
+        return b"".join(out) if self.strip else data
+
+    def flush(self) -> bytes:
+        rest, self._buf = self._buf, b""
+        return rest if self.strip else b""
+
+    def _take_usage(self, ev: bytes) -> bool:
+        """Record the usage of one event; True when the event is the usage-only chunk."""
+        for line in ev.split(b"\n"):
+            if not line.startswith(b"data:"):
+                continue
+            payload = line[5:].strip()
+            if payload == b"[DONE]":
+                return False
+            try:
+                obj = json.loads(payload)
+            except ValueError:
+                return False
+            if isinstance(obj, dict) and isinstance(obj.get("usage"), dict):
+                self.usage = obj["usage"]
+                return obj.get("choices") == []
+        return False
+
+
+def cached_tokens_of(usage: dict[str, Any] | None) -> int | None:
+    if not isinstance(usage, dict):
+        return None
+    details = usage.get("prompt_tokens_details")
+    if not isinstance(details, dict):
+        return None
+    v = details.get("cached_tokens")
+    return v if isinstance(v, int) else None
+
+
+# -- the decision ---------------------------------------------------------------------------
+
+
+@dataclass
+class RouteDecision:
+    """What the router decided for one request, and the inputs that explain it."""
+
+    chosen: InstanceKey
+    predicted_hit_tokens: int
+    prompt_tokens: int
+    block_size: int
+    prefix_credit: bool
+    candidates: list[Any]
+    scores: dict[Any, Any]
+    hashes: dict[InstanceKey, list[int]]
+    timings: dict[str, float] = field(default_factory=dict)
+    scheme: dict[InstanceKey, str] = field(default_factory=dict)
+
+
+async def decide(
+    router: Router, body: dict[str, Any], kind: str, exclude: Iterable[InstanceKey] = ()
+) -> RouteDecision:
+    """Tokenize, hash per scheme, match, choose. Raises RouterError(400/503)."""
+    return await router.decide(body, kind, exclude=set(exclude))
+
+
+async def explain_route(router: Router, body: dict[str, Any], kind: str) -> dict[str, Any]:
+    validate_request(body, kind)
+    d = await decide(router, body, kind)
+    return router.explain(d)
+
+
+# -- forwarding -----------------------------------------------------------------------------
+
+
+class _Retry(Exception):
+    """The attempt failed before the first byte: try the next instance."""
+
+    def __init__(
+        self, outcome: str, detail: str, response: tuple[int, bytes, dict] | None = None
+    ) -> None:
+        super().__init__(detail)
+        self.outcome = outcome
+        self.detail = detail
+        self.response = response
+
+
+async def handle_completions(request: web.Request, kind: str) -> web.StreamResponse:
+    from router.ops import ROUTER_KEY
+
+    router = request.app[ROUTER_KEY]
+    t0 = time.perf_counter()
+    rid = request_id_of(request)
+    try:
+        body = await read_json_body(request, router.config.max_body_bytes)
+        validate_request(body, kind)
+        decision = await decide(router, body, kind)
+    except RouterError as e:
+        router.metrics.rejected.labels(str(e.status)).inc()
+        log.info("request refused request_id=%s status=%d reason=%s", rid, e.status, e.message)
+        return error_response(e.status, e.message, e.param, headers={"x-request-id": rid})
+
+    stream = bool(body.get("stream"))
+    raw: bytes = request["raw_body"]
+    strip_usage = False
+    if stream and not client_wants_usage(body):
+        so = dict(body.get("stream_options") or {})
+        so["include_usage"] = True
+        fwd = dict(body)
+        fwd["stream_options"] = so
+        raw = json.dumps(fwd).encode()
+        strip_usage = True
+
+    path = "/v1/chat/completions" if kind == "chat" else "/v1/completions"
+    tried: list[InstanceKey] = []
+    last: _Retry | None = None
+    attempts = 1 + max(0, router.config.retries)
+    for attempt in range(attempts):
+        if attempt:
+            try:
+                decision = await decide(router, body, kind, exclude=tried)
+            except RouterError:
+                break
+            router.metrics.retries.labels(str(tried[-1])).inc()
+        key = decision.chosen
+        st = router.fleet.get(key)
+        if st is None:
+            tried.append(key)
+            continue
+        tried.append(key)
+        router.record_pending(decision)
+        try:
+            return await _forward(
+                router, request, st, decision, path, raw, rid, stream, strip_usage, t0
+            )
+        except _Retry as r:
+            last = r
+            log.warning(
+                "attempt failed request_id=%s instance=%s outcome=%s detail=%s",
+                rid,
+                key,
+                r.outcome,
+                r.detail,
+            )
+    if last is not None and last.response is not None:
+        status, data, headers = last.response
+        return web.Response(status=status, body=data, headers=headers)
+    msg = "no engine could take the request" + (f": {last.detail}" if last else "")
+    router.metrics.rejected.labels("502" if last else "503").inc()
+    return error_response(502 if last else 503, msg, headers={"x-request-id": rid})
+
+
+async def _forward(
+    router: Router,
+    request: web.Request,
+    st: InstanceState,
+    d: RouteDecision,
+    path: str,
+    raw: bytes,
+    rid: str,
+    stream: bool,
+    strip_usage: bool,
+    t0: float,
+) -> web.StreamResponse:
+    key = st.key
+    label = str(key)
+    metrics = router.metrics
+    queued = max(0, d.prompt_tokens - d.predicted_hit_tokens)
+    ticket = router.fleet.begin(key, queued)
+    headers = upstream_headers(request, rid, st.rank, st.spec.dp)
+    extra = {
+        "x-routed-to": st.url,
+        "x-prefix-hit-tokens": str(d.predicted_hit_tokens),
+        "x-request-id": rid,
+    }
+    if st.spec.dp > 1:
+        extra["x-routed-rank"] = str(st.rank)
+    try:
+        try:
+            upstream = await router.session.post(st.url + path, data=raw, headers=headers)
+        except (aiohttp.ClientConnectionError, OSError) as e:
+            metrics.requests.labels(label, "connect_error").inc()
+            router.fleet.mark_failed(key, f"{type(e).__name__}: {e}")
+            router.poke_health()
+            raise _Retry("connect_error", f"{type(e).__name__}: {e}") from None
+        except asyncio.TimeoutError:
+            metrics.requests.labels(label, "timeout").inc()
+            raise _Retry("timeout", "connect timeout") from None
+        async with upstream:
+            if upstream.status >= 500:
+                data = await _read_quietly(upstream)
+                metrics.requests.labels(label, "engine_error").inc()
+                hdrs = downstream_headers(upstream) | extra
+                raise _Retry(
+                    "engine_error", f"status {upstream.status}", (upstream.status, data, hdrs)
+                )
+            is_sse = upstream.headers.get("Content-Type", "").startswith("text/event-stream")
+            if stream and is_sse and upstream.status == 200:
+                return await _relay_stream(
+                    router, request, upstream, d, st, extra, strip_usage, ticket
+                )
+            try:
+                data = await upstream.read()
+            except (aiohttp.ClientError, OSError) as e:
+                metrics.requests.labels(label, "connect_error").inc()
+                raise _Retry("disconnected", f"{type(e).__name__}: {e}") from None
+            except asyncio.TimeoutError:
+                metrics.requests.labels(label, "timeout").inc()
+                return error_response(504, f"engine {st.url} did not answer in time", headers=extra)
+            router.fleet.first_byte(ticket)
+            outcome = "ok" if upstream.status < 400 else "client_error"
+            metrics.requests.labels(label, outcome).inc()
+            if upstream.status == 200:
+                usage = _json_usage(data)
+                router.check_prediction(key, d, usage)
+            log.info(
+                "routed request_id=%s instance=%s status=%d predicted_hit=%d prompt_tokens=%d ms=%.2f",
+                rid,
+                key,
+                upstream.status,
+                d.predicted_hit_tokens,
+                d.prompt_tokens,
+                (time.perf_counter() - t0) * 1000,
+            )
+            return web.Response(
+                status=upstream.status, body=data, headers=downstream_headers(upstream) | extra
+            )
+    finally:
+        router.fleet.end(ticket)
+
+
+async def _read_quietly(resp: aiohttp.ClientResponse) -> bytes:
+    try:
+        return await resp.read()
+    except (aiohttp.ClientError, OSError, asyncio.TimeoutError):
+        return b""
+
+
+def _json_usage(data: bytes) -> dict[str, Any] | None:
+    if b'"usage"' not in data:
+        return None
+    try:
+        obj = json.loads(data)
+    except ValueError:
+        return None
+    return obj.get("usage") if isinstance(obj, dict) else None
+
+
+async def _relay_stream(
+    router: Router,
+    request: web.Request,
+    upstream: aiohttp.ClientResponse,
+    d: RouteDecision,
+    st: InstanceState,
+    extra: dict[str, str],
+    strip_usage: bool,
+    ticket: Any,
+) -> web.StreamResponse:
+    label = str(st.key)
+    metrics = router.metrics
+    reader = SseUsageReader(strip=strip_usage)
+    chunks = upstream.content.iter_any()
+    # Wait for the first byte before answering: until then the request can still be retried.
+    try:
+        first = await chunks.__anext__()
+    except StopAsyncIteration:
+        first = b""
+    except (aiohttp.ClientError, OSError) as e:
+        metrics.requests.labels(label, "connect_error").inc()
+        router.fleet.mark_failed(st.key, f"{type(e).__name__}: {e}")
+        router.poke_health()
+        raise _Retry("disconnected", f"{type(e).__name__}: {e}") from None
+    except asyncio.TimeoutError:
+        metrics.requests.labels(label, "timeout").inc()
+        return error_response(504, f"engine {st.url} did not answer in time", headers=extra)
+    router.fleet.first_byte(ticket)
+    resp = web.StreamResponse(status=upstream.status, headers=downstream_headers(upstream) | extra)
+    await resp.prepare(request)
+    outcome = "ok"
+    try:
+        out = reader.feed(first)
+        if out:
+            await resp.write(out)
+        async for chunk in chunks:
+            out = reader.feed(chunk)
+            if out:
+                await resp.write(out)
+        rest = reader.flush()
+        if rest:
+            await resp.write(rest)
+    except (aiohttp.ClientError, OSError, asyncio.TimeoutError) as e:
+        outcome = "stream_error"
+        log.warning("stream broke after first byte instance=%s error=%s", st.key, e)
+        try:
+            await resp.write(sse_error_event(502, f"engine stream ended early: {type(e).__name__}"))
+        except (ConnectionError, OSError):
+            pass
+    except (ConnectionResetError, asyncio.CancelledError):
+        outcome = "client_gone"
+        raise
+    finally:
+        metrics.requests.labels(label, outcome).inc()
+    router.check_prediction(st.key, d, reader.usage)
+    try:
+        await resp.write_eof()
+    except (ConnectionError, OSError):
+        pass
+    return resp
+
+
+# -- other routes ---------------------------------------------------------------------------
+
+
+async def handle_chat(request: web.Request) -> web.StreamResponse:
+    return await handle_completions(request, "chat")
+
+
+async def handle_completion(request: web.Request) -> web.StreamResponse:
+    return await handle_completions(request, "completions")
+
+
+async def handle_models(request: web.Request) -> web.Response:
+    from router.ops import ROUTER_KEY
+
+    router = request.app[ROUTER_KEY]
+    urls = router.fleet.healthy_engine_urls()
+    if not urls:
+        return error_response(503, "no healthy engine")
+
+    async def one(url: str) -> list[dict]:
+        try:
+            async with router.session.get(url + "/v1/models") as r:
+                if r.status != 200:
+                    return []
+                obj = await r.json(content_type=None)
+                return list(obj.get("data") or [])
+        except (aiohttp.ClientError, OSError, asyncio.TimeoutError, ValueError):
+            return []
+
+    seen: dict[str, dict] = {}
+    for models in await asyncio.gather(*(one(u) for u in urls)):
+        for m in models:
+            if isinstance(m, dict) and "id" in m:
+                seen.setdefault(m["id"], m)
+    return web.json_response({"object": "list", "data": list(seen.values())})
+
+
+async def handle_passthrough(request: web.Request) -> web.StreamResponse:
+    """Any engine will do for these (tokenize, version, ...): a random healthy one."""
+    from router.ops import ROUTER_KEY
+
+    router = request.app[ROUTER_KEY]
+    urls = router.fleet.healthy_engine_urls()
+    if not urls:
+        return error_response(503, "no healthy engine")
+    try:
+        raw = await read_limited(request, router.config.max_body_bytes)
+    except RouterError as e:
+        return error_response(e.status, e.message, e.param)
+    rid = request_id_of(request)
+    headers = {k: v for k, v in request.headers.items() if k.lower() not in _DROP_UP}
+    headers["X-Request-Id"] = rid
+    random.shuffle(urls)
+    last = ""
+    for url in urls[: 1 + max(0, router.config.retries)]:
+        try:
+            async with router.session.request(
+                request.method, url + request.path_qs, data=raw or None, headers=headers
+            ) as r:
+                data = await r.read()
+                hdrs = downstream_headers(r) | {"x-routed-to": url, "x-request-id": rid}
+                return web.Response(status=r.status, body=data, headers=hdrs)
+        except (aiohttp.ClientConnectionError, OSError) as e:
+            last = f"{type(e).__name__}: {e}"
+            router.poke_health()
+    return error_response(502, f"no engine could take the request: {last}")
+
+
+def add_routes(app: web.Application) -> None:
+    app.router.add_post("/v1/chat/completions", handle_chat)
+    app.router.add_post("/v1/completions", handle_completion)
+    app.router.add_get("/v1/models", handle_models)
+    for p in PASSTHROUGH_PATHS:
+        app.router.add_route("*", p, handle_passthrough)
