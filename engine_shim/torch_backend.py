@@ -20,7 +20,7 @@ import torch
 
 from engine_shim.backend import BackendConfig, ScheduledWork
 from engine_shim.model_setup import require_model_dir
-from engine_shim.torch_model import LlamaPagedModel, SeqInput
+from engine_shim.torch_model import LlamaPagedModel, PagedKVCache, SeqInput
 
 GREEDY_EPS = 1e-5  # vLLM's _SAMPLING_EPS: below this temperature sampling is greedy
 DEFAULT_THREADS = 1
@@ -70,13 +70,18 @@ class TorchBackend:
                 f"{config.num_gpu_blocks} KV blocks need {per_block * config.num_gpu_blocks >> 20}"
                 f" MiB (limit {limit >> 20} MiB); lower --num-gpu-blocks for --backend torch"
             )
-        self.cache = self.model.new_cache(config.num_gpu_blocks, config.block_size)
+        self.cache: PagedKVCache | None = self.model.new_cache(
+            config.num_gpu_blocks, config.block_size
+        )
         self._generator = torch.Generator().manual_seed(config.seed)
         self.steps = 0
         self.tokens_computed = 0
 
     def execute(self, work: Sequence[ScheduledWork]) -> dict[str, int]:
         """Compute every scheduled token (writing its KV) and sample where the step asks."""
+        cache = self.cache
+        if cache is None:
+            raise RuntimeError("the torch backend is closed")
         if not work:
             return {}
         seqs = [
@@ -88,7 +93,7 @@ class TorchBackend:
             )
             for w in work
         ]
-        logits = self.model.forward(seqs, self.cache)
+        logits = self.model.forward(seqs, cache)
         self.steps += 1
         self.tokens_computed += sum(len(s.token_ids) for s in seqs)
         return {
@@ -114,7 +119,9 @@ class TorchBackend:
         """Nothing to drop: KV lives in pool blocks, and seeded sampling keeps no state."""
 
     def close(self) -> None:
-        self.cache.layers.clear()
+        """Drop the KV pool. A step still running in the engine's worker thread keeps its
+        own reference and finishes; later steps are refused."""
+        self.cache = None
 
 
 def create_backend(config: BackendConfig) -> TorchBackend:

@@ -72,6 +72,8 @@ PASSTHROUGH_PATHS = (
 )
 
 
+RAW_BODY: web.RequestKey[bytes] = web.RequestKey("raw_body", bytes)
+
 # -- body -----------------------------------------------------------------------------------
 
 
@@ -82,7 +84,7 @@ async def read_json_body(request: web.Request, max_bytes: int) -> dict[str, Any]
             413, f"request body is {request.content_length} bytes; the limit is {max_bytes}"
         )
     raw = await read_limited(request, max_bytes)
-    request["raw_body"] = raw
+    request[RAW_BODY] = raw
     return parse_json_object(raw)
 
 
@@ -290,7 +292,7 @@ async def handle_completions(request: web.Request, kind: str) -> web.StreamRespo
         return error_response(e.status, e.message, e.param, headers={"x-request-id": rid})
 
     stream = bool(body.get("stream"))
-    raw: bytes = request["raw_body"]
+    raw: bytes = request[RAW_BODY]
     strip_usage = False
     if stream and not client_wants_usage(body):
         so = dict(body.get("stream_options") or {})

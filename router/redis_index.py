@@ -29,6 +29,7 @@ argument builders and result parsers below.
 
 from __future__ import annotations
 
+import struct
 from collections.abc import Collection, Iterable, Sequence
 from typing import Any
 
@@ -149,20 +150,33 @@ return drop(ARGV[1], id)
 # Reply: {#ids, #gpu-pairs, names..., (name idx, run)..., (medium, name idx, run)...}.
 _MATCH = """
 local P, hx, among, pend = ARGV[1], ARGV[2], ARGV[3], ARGV[4] == '1'
-local function trim(s) return (string.gsub(s, '%z+$', '')) end
-local function op2(a, b, f, longest)
-  local la, lb = #a, #b
-  local n = la
-  if longest then n = math.max(la, lb) elseif lb < n then n = lb end
+local band, bor, bnot = bit.band, bit.bor, bit.bnot
+local byte, char, sub = string.byte, string.char, string.sub
+local POW = {128, 64, 32, 16, 8, 4, 2, 1}
+-- bitmap strings carry no trailing zero bytes, so equal sets are equal strings
+local function pack(t, n)
+  while n > 0 and t[n] == 0 do n = n - 1 end
   if n == 0 then return '' end
-  local t = {}
-  for i = 1, n do t[i] = f(string.byte(a, i) or 0, string.byte(b, i) or 0) end
-  return trim(string.char(unpack(t)))
+  return char(unpack(t, 1, n))
 end
-local function band(a, b) return op2(a, b, bit.band, false) end
-local function bor(a, b) return op2(a, b, bit.bor, true) end
-local function bandnot(a, b)
-  return op2(a, b, function(x, y) return bit.band(x, bit.bnot(y) % 256) end, true)
+local function sand(a, b)
+  local n = math.min(#a, #b)
+  local t = {}
+  for i = 1, n do t[i] = band(byte(a, i), byte(b, i)) end
+  return pack(t, n)
+end
+local function sor(a, b)
+  if a == '' then return b end
+  if b == '' then return a end
+  local n = math.max(#a, #b)
+  local t = {}
+  for i = 1, n do t[i] = bor(byte(a, i) or 0, byte(b, i) or 0) end
+  return pack(t, n)
+end
+local function trim(s)
+  local n = #s
+  while n > 0 and byte(s, n) == 0 do n = n - 1 end
+  return sub(s, 1, n)
 end
 local function mask(ids)
   local t, n = {}, 0
@@ -170,21 +184,24 @@ local function mask(ids)
   for i = 1, n do t[i] = 0 end
   for id in pairs(ids) do
     local i = math.floor(id / 8) + 1
-    t[i] = bit.bor(t[i], 2 ^ (7 - id % 8))
+    t[i] = bor(t[i], POW[id % 8 + 1])
   end
-  if n == 0 then return '' end
-  return string.char(unpack(t))
+  return pack(t, n)
 end
-local function close(s, run, out)
-  for i = 1, #s do
-    local byte = string.byte(s, i)
-    if byte ~= 0 then
-      for j = 0, 7 do
-        if bit.band(byte, 2 ^ (7 - j)) ~= 0 then out[(i - 1) * 8 + j] = run end
+-- record run for every bit in old but not in new (old is a superset of new)
+local function ended(old, new, run, out)
+  for i = 1, #old do
+    local x = byte(old, i)
+    local y = byte(new, i) or 0
+    if x ~= y then
+      local d = band(x, bnot(y))
+      for j = 1, 8 do
+        if band(d, POW[j]) ~= 0 then out[(i - 1) * 8 + j - 1] = run end
       end
     end
   end
 end
+local function close(s, run, out) ended(s, '', run, out) end
 local allow = nil
 if among ~= '' then
   local ids = {}
@@ -204,35 +221,44 @@ local nblocks = #hx / 16
 local alive = ''
 local talive, truns, runs = {}, {}, {}
 for _, m in ipairs(tiers) do truns[m] = {} end
+local CH = 64
+local chunk, base = {}, -CH
 for b = 0, nblocks - 1 do
-  local h = string.sub(hx, b * 16 + 1, b * 16 + 16)
-  local g = redis.call('GET', P .. 'b:' .. h) or ''
+  if b >= base + CH then
+    base = b
+    local keys = {}
+    for j = b, math.min(b + CH, nblocks) - 1 do
+      keys[#keys + 1] = P .. 'b:' .. string.sub(hx, j * 16 + 1, j * 16 + 16)
+    end
+    chunk = redis.call('MGET', unpack(keys))
+  end
+  local g = chunk[b - base + 1] or ''
   if pend then
-    local p = redis.call('HGETALL', P .. 'p:' .. h)
+    local p = redis.call('HGETALL', P .. 'p:' .. sub(hx, b * 16 + 1, b * 16 + 16))
     if #p > 0 then
       local ids = {}
       for j = 1, #p, 2 do
         if tonumber(p[j + 1]) > now then ids[tonumber(p[j])] = true end
       end
-      g = bor(g, mask(ids))
+      g = sor(g, mask(ids))
     end
   end
-  if allow then g = band(g, allow) end
+  if allow then g = sand(g, allow) end
   local any = false
   if b == 0 then
     alive = trim(g)
     any = alive ~= ''
     for _, m in ipairs(tiers) do
-      local l = redis.call('GET', P .. 'b:' .. h .. ':' .. m) or ''
-      if allow then l = band(l, allow) end
-      talive[m] = bor(g, l)
+      local l = redis.call('GET', P .. 'b:' .. sub(hx, 1, 16) .. ':' .. m) or ''
+      if allow then l = sand(l, allow) end
+      talive[m] = sor(g, l)
       any = any or talive[m] ~= ''
     end
   else
     if g ~= alive and alive ~= '' then
-      local new = band(alive, g)
+      local new = sand(alive, g)
       if new ~= alive then
-        close(bandnot(alive, new), b, runs)
+        ended(alive, new, b, runs)
         alive = new
       end
     end
@@ -240,12 +266,14 @@ for b = 0, nblocks - 1 do
     for _, m in ipairs(tiers) do
       local s = talive[m]
       if s ~= '' then
-        local l = redis.call('GET', P .. 'b:' .. h .. ':' .. m) or ''
-        local u = bor(g, l)
+        local l = redis.call('GET', P .. 'b:' .. sub(hx, b * 16 + 1, b * 16 + 16) .. ':' .. m)
+        l = l or ''
+        if allow then l = sand(l, allow) end
+        local u = sor(g, l)
         if u ~= s then
-          local new = band(s, u)
+          local new = sand(s, u)
           if new ~= s then
-            close(bandnot(s, new), b, truns[m])
+            ended(s, new, b, truns[m])
             talive[m] = new
           end
         end
@@ -304,7 +332,8 @@ return #hx / 16
 
 def hexes(hashes: Iterable[int]) -> str:
     """u64 hashes as one string of 16-hex-digit chunks (the scripts' wire form)."""
-    return "".join([f"{h:016x}" for h in hashes])
+    hs = hashes if isinstance(hashes, list | tuple) else list(hashes)
+    return struct.pack(f">{len(hs)}Q", *hs).hex()
 
 
 def batch_ops(batch: KVEventBatch) -> tuple[list[str], ApplyResult]:

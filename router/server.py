@@ -60,13 +60,22 @@ class Router:
             load_weight=config.load_weight,
             temperature=config.temperature,
             max_share=config.max_share,
+            in_flight_tokens=config.in_flight_tokens,
         )
         self.default_scheme = HashScheme(
             algo=config.hash_algo, seed=_first_seed(config), block_size=config.block_size
         )
+        lora_paths = {lo.name: lo.path for lo in (config.lora_adapters or {}).values()}
         self.parity = ParityTracker(
-            self.default_scheme, list(config.hash_seeds or []), config.hash_scheme
+            self.default_scheme,
+            [s for s in (config.hash_seeds or []) if s is not None],
+            config.hash_scheme,
+            lora_paths=lora_paths,
         )
+        self._lora_paths = lora_paths
+        self._translators: dict[InstanceKey, KeyTranslator] = {}
+        self._scans: set[InstanceKey] = set()
+        self._background: set[asyncio.Task] = set()
         self.hasher = PromptHasher()
         self.tokenizer: PromptTokenizer | None = None
         if config.tokenizer != ENGINE_TOKENIZER:

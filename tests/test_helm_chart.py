@@ -22,6 +22,8 @@ import kubernetes_validate
 import pytest
 import yaml
 
+from engine_shim.cli import build_parser as shim_parser
+from engine_shim.cli import config_from_args as shim_config
 from router.config import ConfigError, RouterConfig, load_config
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -389,7 +391,7 @@ def test_headless_service_discovery(chart) -> None:
                     "enabled": True,
                     "service": "gpu",
                     "namespace": "inf",
-                    "replayPort": 0,
+                    "dp": 2,
                 }
             },
         },
@@ -399,7 +401,7 @@ def test_headless_service_discovery(chart) -> None:
     ]
 
 
-def test_trial_fleet_with_bundled_redis(chart) -> None:
+def test_trial_fleet_with_bundled_redis(chart, tmp_path: Path, monkeypatch) -> None:
     values = example("trial.yaml")
     docs = render(chart, values)
     replicas = values["trialFleet"]["replicas"]
@@ -431,9 +433,22 @@ def test_trial_fleet_with_bundled_redis(chart) -> None:
             f"replay=tcp://{host}:{ports['kv-replay']}"
         )
 
-    # Hash parity: the shims' seed, algorithm, block size and model are the router's.
+    # Hash parity: the shims' seed, algorithm, block size and model are the router's, as the
+    # two real command lines read them.
     config = router_config(docs)
     seed = env_of(shim)["PYTHONHASHSEED"]["value"]
+    monkeypatch.setenv("PYTHONHASHSEED", seed)
+    shim_cfg = shim_config(shim_parser().parse_args(shim["args"][1:]))
+    router_cfg = router_settings(docs, tmp_path)
+    assert shim_cfg.host == "0.0.0.0" and shim_cfg.port == ports["http"]
+    assert shim_cfg.kv_events.enable_kv_cache_events is True
+    assert shim_cfg.kv_events.endpoint == f"tcp://*:{ports['kv-events']}"
+    assert shim_cfg.kv_events.replay_endpoint == f"tcp://*:{ports['kv-replay']}"
+    assert shim_cfg.engine.hash_seed == router_cfg.hash_seed == seed
+    assert shim_cfg.engine.block_size == router_cfg.block_size
+    assert shim_cfg.engine.hash_algo == "sha256_cbor"
+    assert shim_cfg.served_model_name == router_cfg.model
+    assert router_cfg.index == config["index"]
     assert config["hash_seed"] == seed and "hash_seeds" not in config
     assert flag_values(shim["args"], "--block-size") == [str(config["block_size"])]
     assert flag_values(shim["args"], "--prefix-caching-hash-algo") == ["sha256_cbor"]

@@ -6,15 +6,19 @@ from __future__ import annotations
 import random
 
 import pytest
+from redis_server import redis_server  # noqa: F401  (fixture)
 
 from events.model import AllBlocksCleared, BlockRemoved, BlockStored, KVEventBatch
-from router.index import MemoryIndex, Match
+from router.index import Match, MemoryIndex
 from router.instance import InstanceKey
 from router.redis_index import RedisIndex
 from router.redis_state import RedisState
-from redis_server import redis_server  # noqa: F401  (fixture)
 
-A, B, C = InstanceKey("http://a:8000"), InstanceKey("http://b:8000"), InstanceKey("http://c:8000", 1)
+A, B, C = (
+    InstanceKey("http://a:8000"),
+    InstanceKey("http://b:8000"),
+    InstanceKey("http://c:8000", 1),
+)
 
 
 @pytest.fixture

@@ -5,8 +5,9 @@ from __future__ import annotations
 import asyncio
 import time
 
-from events.model import BlockStored, KVEventBatch
 from redis_server import redis_server  # noqa: F401  (fixture)
+
+from events.model import BlockStored, KVEventBatch
 from router.instance import InstanceKey
 from router.redis_index import RedisIndex
 from router.redis_lease import LeaseManager

@@ -6,6 +6,7 @@ import asyncio
 import time
 
 from redis_server import redis_server  # noqa: F401  (fixture)
+
 from router.instance import InstanceKey
 from router.redis_load import Load, SharedLoad
 from router.redis_state import RedisState

@@ -24,10 +24,12 @@ def test_parse_engine_flag_defaults_and_ranks():
     assert s.instances() == [InstanceKey("http://10.0.0.5:8001", 0)]
     assert s.events_endpoint(0) == "tcp://10.0.0.5:5557"
     assert s.replay_endpoint(0) == "tcp://10.0.0.5:5558"
-    s = parse_engine_flag(
-        "http://h:8001,events=tcp://h:6000,replay=tcp://h:7000,dp=3,hash_seed=42"
-    )
-    assert [str(k) for k in s.instances()] == ["http://h:8001", "http://h:8001#dp1", "http://h:8001#dp2"]
+    s = parse_engine_flag("http://h:8001,events=tcp://h:6000,replay=tcp://h:7000,dp=3,hash_seed=42")
+    assert [str(k) for k in s.instances()] == [
+        "http://h:8001",
+        "http://h:8001#dp1",
+        "http://h:8001#dp2",
+    ]
     assert s.events_endpoint(2) == "tcp://h:6002" and s.replay_endpoint(1) == "tcp://h:7001"
     assert s.hash_seed == "42"
     assert parse_engine_flag("http://h:1,replay=none").replay_endpoint(0) is None

@@ -136,13 +136,16 @@ def pool_hashes(engine: Any) -> list[int]:
 
 
 @asynccontextmanager
-async def running_fleet(tokenizer: Any, slots: list[ShimSlot], **router_kw: Any):
+async def running_fleet(
+    tokenizer: Any, slots: list[ShimSlot], external: list[ShimSlot] = (), **router_kw: Any
+):
+    """Shims in ``slots`` start in-process; ``external`` ones are already running elsewhere."""
     for s in slots:
         await s.start(tokenizer)
     kw: dict[str, Any] = {
         "host": "127.0.0.1",
         "port": free_port(),
-        "engines": [s.spec() for s in slots],
+        "engines": [s.spec() for s in [*slots, *external]],
         "health_interval_s": 0.2,
         "connect_timeout_s": 1.0,
         "request_timeout_s": 30.0,
@@ -156,7 +159,7 @@ async def running_fleet(tokenizer: Any, slots: list[ShimSlot], **router_kw: Any)
     await runner.setup()
     site = web.TCPSite(runner, "127.0.0.1", cfg.port)
     await site.start()
-    fleet = TestFleet(slots, router, runner, cfg.port)
+    fleet = TestFleet([*slots, *external], router, runner, cfg.port)
     try:
         yield fleet
     finally:
@@ -188,3 +191,57 @@ def long_text(seed: int, words: int = 200) -> str:
         x = (x * 1103515245 + 12345) % (2**31)
         out.append(vocab[x % len(vocab)])
     return " ".join(out)
+
+
+class ShimProcess:
+    """An engine shim in its own process, so that a test can SIGKILL it mid-request."""
+
+    def __init__(self, slot: ShimSlot) -> None:
+        self.slot = slot
+        self.proc: asyncio.subprocess.Process | None = None
+
+    async def start(self, timeout: float = 30.0) -> None:
+        import json as _json
+        import os
+        import sys
+
+        s = self.slot
+        kv = {
+            "enable_kv_cache_events": True,
+            "endpoint": f"tcp://*:{s.events_port}",
+            "replay_endpoint": f"tcp://*:{s.replay_port}",
+        }
+        env = dict(os.environ)
+        env.pop("PYTHONHASHSEED", None)
+        if s.hash_seed is not None:
+            env["PYTHONHASHSEED"] = s.hash_seed
+        self.proc = await asyncio.create_subprocess_exec(
+            sys.executable, "-m", "engine_shim.cli",
+            "--host", "127.0.0.1", "--port", str(s.http_port),
+            "--kv-events-config", _json.dumps(kv),
+            "--num-gpu-blocks", str(s.num_gpu_blocks), "--block-size", "16",
+            "--prefix-caching-hash-algo", s.hash_algo, "--max-model-len", "4096",
+            "--time-scale", str(s.time_scale), "--served-model-name", MODEL, "--seed", "0",
+            stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.DEVNULL, env=env,
+        )  # fmt: skip
+        assert self.proc.stdout is not None
+        deadline = time.monotonic() + timeout
+        while True:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                self.kill()
+                raise AssertionError("engine-shim did not print its ready line")
+            line = await asyncio.wait_for(self.proc.stdout.readline(), left)
+            if not line:
+                raise AssertionError("engine-shim exited before it was ready")
+            if b"ready" in line:
+                return
+
+    def kill(self) -> None:
+        if self.proc is not None and self.proc.returncode is None:
+            self.proc.kill()
+
+    async def wait(self) -> None:
+        if self.proc is not None:
+            self.kill()
+            await self.proc.wait()

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from events.hashing import HashScheme, LoRA, event_extra_keys, block_extra_keys
+from events.hashing import HashScheme, LoRA, block_extra_keys, event_extra_keys
 from events.model import AllBlocksCleared, BlockRemoved, BlockStored, KVEventBatch
 from router.index import Match, MemoryIndex
 from router.instance import InstanceKey
@@ -24,7 +24,7 @@ from router.prompt import PromptHasher
 
 A = InstanceKey("http://a:1")
 B = InstanceKey("http://b:1")
-TOKENS = list(range(40)) + [300, 70000, 151643] + list(range(1000, 1021))  # 64 tokens
+TOKENS = [*range(40), 300, 70000, 151643, *range(1000, 1021)]  # 64 tokens
 
 
 def engine_event(

@@ -72,7 +72,10 @@ def test_chat_tokens_equal_vllm_flags(pt, tokenizer, flags):
 def test_chat_text_parts_join_with_newlines(pt, tokenizer):
     body = {
         "messages": [
-            {"role": "user", "content": [{"type": "text", "text": "a"}, {"type": "text", "text": "b"}]}
+            {
+                "role": "user",
+                "content": [{"type": "text", "text": "a"}, {"type": "text", "text": "b"}],
+            }
         ]
     }
     assert pt.chat_tokens(body) == encode_chat(tokenizer, [{"role": "user", "content": "a\nb"}])
@@ -84,8 +87,28 @@ def test_chat_text_parts_join_with_newlines(pt, tokenizer):
 
 def _random_text(rng: random.Random) -> str:
     pieces = [
-        "hello", " world", "  ", "\n", "\n\n", "\t", "é", "漢字", "🙂", "<|im_end|>", "<|im_start|>",
-        "<b>", "'s", "123", " 4567", "...", "<", "|", ">", "im_end", "\r\n", "  x",
+        "hello",
+        " world",
+        "  ",
+        "\n",
+        "\n\n",
+        "\t",
+        "é",
+        "漢字",
+        "🙂",
+        "<|im_end|>",
+        "<|im_start|>",
+        "<b>",
+        "'s",
+        "123",
+        " 4567",
+        "...",
+        "<",
+        "|",
+        ">",
+        "im_end",
+        "\r\n",
+        "  x",
     ]
     return "".join(rng.choice(pieces) for _ in range(rng.randint(0, 25)))
 
@@ -98,7 +121,9 @@ def test_segment_cache_equals_whole_for_many_conversations(tokenizer):
         if rng.random() < 0.5:
             msgs.append({"role": "system", "content": _random_text(rng)})
         for t in range(rng.randint(1, 6)):
-            msgs.append({"role": "user" if t % 2 == 0 else "assistant", "content": _random_text(rng)})
+            msgs.append(
+                {"role": "user" if t % 2 == 0 else "assistant", "content": _random_text(rng)}
+            )
         agp = rng.random() < 0.7
         body = {"messages": msgs, "add_generation_prompt": agp}
         assert pt.chat_tokens(body) == encode_chat(tokenizer, msgs, add_generation_prompt=agp)
@@ -130,7 +155,9 @@ def test_chat_errors(pt):
     with pytest.raises(RequestError):
         pt.chat_tokens({"messages": MSGS, "tools": [{"function": {}}]})
     err = RequestError("bad", "x").to_openai()
-    assert err == {"error": {"message": "bad", "type": "BadRequestError", "param": "x", "code": 400}}
+    assert err == {
+        "error": {"message": "bad", "type": "BadRequestError", "param": "x", "code": 400}
+    }
 
 
 def test_completion_tokens(pt, tokenizer):
@@ -185,7 +212,7 @@ def test_uses_prefix_cache():
 
 
 def test_hashes_with_salt_and_lora():
-    tokens = list(range(40)) + [300, 70000, 151643] + list(range(1000, 1013))
+    tokens = [*list(range(40)), 300, 70000, 151643, *list(range(1000, 1013))]
     h = PromptHasher()
     s = HashScheme()
     assert h.hashes(tokens, s) == [

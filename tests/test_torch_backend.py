@@ -267,3 +267,37 @@ def test_create_backend_and_bad_inputs(model_dir):
             model=be.model,
         )
     be.close()
+
+
+async def test_shim_serves_chat_with_torch_backend_and_hits_change_nothing(tokenizer, model_dir):
+    """Through HTTP and the official client: a hit on a shared system prompt, and the same
+    text as a shim with prefix caching off."""
+    from openai import AsyncOpenAI
+
+    from engine_shim.testing import running_shim
+    from events.tokenizer import DEFAULT_MODEL_NAME
+
+    system = {"role": "system", "content": "You answer in five words or fewer."}
+    turns = ["Name a primary colour.", "Name a large ocean."]
+
+    async def ask(caching: bool) -> list[tuple[str, int]]:
+        out = []
+        kw = {"num_gpu_blocks": 48, "max_model_len": 512, "enable_prefix_caching": caching}
+        async with running_shim(tokenizer, backend="torch", **kw) as shim:
+            c = AsyncOpenAI(base_url=shim.url + "/v1", api_key="x", max_retries=0, timeout=30)
+            for q in turns:
+                r = await c.chat.completions.create(
+                    model=DEFAULT_MODEL_NAME,
+                    messages=[system, {"role": "user", "content": q}],
+                    max_tokens=4,
+                    temperature=0.0,
+                )
+                details = r.usage.prompt_tokens_details
+                out.append((r.choices[0].message.content, details.cached_tokens if details else 0))
+            await c.close()
+        return out
+
+    cached, plain = await ask(True), await ask(False)
+    assert cached[0][1] == 0 and cached[1][1] >= 16  # the second turn hit the system prompt
+    assert [t for t, _ in cached] == [t for t, _ in plain]
+    assert all(t for t, _ in cached)
