@@ -90,7 +90,9 @@ async def run_load(url: str, n: int, conc: int, max_tokens: int, stream: bool) -
     conn = aiohttp.TCPConnector(limit=conc)
     async with aiohttp.ClientSession(connector=conn) as s:
         for _ in range(min(20, n)):  # warm-up: connections, tokenizer caches
-            async with s.post(url + "/v1/completions", json={"prompt": "warm", "max_tokens": 1}) as r:
+            async with s.post(
+                url + "/v1/completions", json={"prompt": "warm", "max_tokens": 1}
+            ) as r:
                 await r.read()
         t0 = time.perf_counter()
         await asyncio.gather(*(worker(s) for _ in range(conc)))
@@ -121,16 +123,28 @@ def main(argv: list[str] | None = None) -> int:
         [shim_bin, "--port", str(shim_port), "--time-scale", "0", "--num-gpu-blocks", "4096"],
         "engine-shim ready",
     )
-    floor = start([sys.executable, "-m", "bench.bench_shim", "--floor-server", str(floor_port)], "floor ready")
+    floor = start(
+        [sys.executable, "-m", "bench.bench_shim", "--floor-server", str(floor_port)], "floor ready"
+    )
     try:
         print(f"engine-shim --time-scale 0, {args.requests} requests/scenario, max_tokens={args.max_tokens}"
               f"{', stream' if args.stream else ''}, cpus={os.cpu_count()}")  # fmt: skip
         print(f"{'scenario':<14}{'req/s':>9}{'mean ms':>9}{'p50 ms':>9}{'p99 ms':>9}"
               f"{'floor req/s':>13}{'floor ms':>10}{'added ms':>10}{'rps ratio':>11}")  # fmt: skip
         for conc in (1, 20):
-            f = asyncio.run(run_load(f"http://127.0.0.1:{floor_port}", args.requests, conc, args.max_tokens, False))
+            f = asyncio.run(
+                run_load(
+                    f"http://127.0.0.1:{floor_port}", args.requests, conc, args.max_tokens, False
+                )
+            )
             r = asyncio.run(
-                run_load(f"http://127.0.0.1:{shim_port}", args.requests, conc, args.max_tokens, args.stream)
+                run_load(
+                    f"http://127.0.0.1:{shim_port}",
+                    args.requests,
+                    conc,
+                    args.max_tokens,
+                    args.stream,
+                )
             )
             print(f"{'concurrency ' + str(conc):<14}{r['rps']:>9.0f}{r['mean_ms']:>9.2f}{r['p50_ms']:>9.2f}"
                   f"{r['p99_ms']:>9.2f}{f['rps']:>13.0f}{f['mean_ms']:>10.2f}"

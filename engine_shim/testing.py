@@ -50,7 +50,9 @@ async def running_shim(
         await shim.stop()
 
 
-async def wait_until(pred: Callable[[], bool], timeout_s: float = 5.0, what: str = "condition") -> None:
+async def wait_until(
+    pred: Callable[[], bool], timeout_s: float = 5.0, what: str = "condition"
+) -> None:
     """Poll a condition with a deadline (for state changed by another task)."""
     deadline = time.monotonic() + timeout_s
     while not pred():

@@ -63,7 +63,9 @@ def test_cli_serves_and_publishes():
         "--prefix-caching-hash-algo", "sha256_cbor", "--served-model-name", "m",
     ]  # fmt: skip
     env = {**os.environ, "PYTHONHASHSEED": "0"}
-    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
+    proc = subprocess.Popen(
+        cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env
+    )
     try:
         line = wait_ready(read_lines(proc))
         url = f"http://127.0.0.1:{port}"
@@ -77,12 +79,16 @@ def test_cli_serves_and_publishes():
             while item is None and time.monotonic() < deadline:
                 # PUB/SUB joins asynchronously: repeat with new content until a batch arrives.
                 ids = [i + 100 for i in ids]
-                status, body = http(url + "/v1/completions", {"model": "m", "prompt": ids, "max_tokens": 1})
+                status, body = http(
+                    url + "/v1/completions", {"model": "m", "prompt": ids, "max_tokens": 1}
+                )
                 assert status == 200 and json.loads(body)["model"] == "m"
                 item = sub.recv(0.5)
             assert item is not None and item.kind == "batch"
             # PYTHONHASHSEED=0 changed NONE_HASH, as in vLLM.
-            assert item.batch.events[0].block_hashes == HashScheme("sha256_cbor", "0").block_hashes(ids)
+            assert item.batch.events[0].block_hashes == HashScheme("sha256_cbor", "0").block_hashes(
+                ids
+            )
         finally:
             sub.close()
     finally:

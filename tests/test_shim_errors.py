@@ -60,7 +60,9 @@ def check_error(status: int, body: dict, want_status: int, param: str | None) ->
     err = body["error"]
     assert set(err) == {"message", "type", "param", "code"}
     assert err["code"] == want_status and err["message"]
-    assert err["type"] == {400: "BadRequestError", 404: "NotFoundError"}.get(want_status, err["type"])
+    assert err["type"] == {400: "BadRequestError", 404: "NotFoundError"}.get(
+        want_status, err["type"]
+    )
     if param is not None:
         assert err["param"] == param
 
@@ -82,14 +84,19 @@ async def test_every_bad_request(tokenizer):
             for salt in BAD_SALTS:
                 got_status, got = await post(s, shim.url + path, {**base, "cache_salt": salt})
                 check_error(got_status, got, 400, "cache_salt")
-            ok, _ = await post(s, shim.url + path, {**base, "cache_salt": "s" * 128, "max_tokens": 1})
+            ok, _ = await post(
+                s, shim.url + path, {**base, "cache_salt": "s" * 128, "max_tokens": 1}
+            )
             assert ok == 200
         # Nothing leaked into the engine.
         assert shim.engines[0].load == 0
 
 
 async def test_routes_methods_and_sizes(tokenizer):
-    async with running_shim(tokenizer, max_request_body_bytes=1024) as shim, aiohttp.ClientSession() as s:
+    async with (
+        running_shim(tokenizer, max_request_body_bytes=1024) as shim,
+        aiohttp.ClientSession() as s,
+    ):
         async with s.get(shim.url + "/v1/nothing") as r:
             check_error(r.status, await r.json(), 404, None)
         async with s.get(shim.url + "/v1/completions") as r:
@@ -104,7 +111,9 @@ async def test_data_parallel_header_errors(tokenizer):
     async with running_shim(tokenizer, dp=2) as shim, aiohttp.ClientSession() as s:
         for bad in ("two", "2", "-1"):
             headers = {"X-data-parallel-rank": bad}
-            async with s.post(shim.url + "/v1/completions", json={"prompt": "x"}, headers=headers) as r:
+            async with s.post(
+                shim.url + "/v1/completions", json={"prompt": "x"}, headers=headers
+            ) as r:
                 check_error(r.status, await r.json(), 400, "X-data-parallel-rank")
 
 

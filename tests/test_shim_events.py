@@ -108,7 +108,9 @@ async def test_data_parallel_ranks_ports_and_header(tokenizer):
     ) as shim:
         ports = [(ep.rsplit(":", 1)[1], rep.rsplit(":", 1)[1]) for ep, rep in shim.events_endpoints]
         assert ports == [(str(base), str(rbase)), (str(base + 1), str(rbase + 1))]
-        sub1 = EventSubscriber(f"tcp://127.0.0.1:{base + 1}", f"tcp://127.0.0.1:{rbase + 1}", from_seq=0)
+        sub1 = EventSubscriber(
+            f"tcp://127.0.0.1:{base + 1}", f"tcp://127.0.0.1:{rbase + 1}", from_seq=0
+        )
         try:
             async with aiohttp.ClientSession() as s:
                 headers, _ = await complete(s, shim.url, headers={"X-data-parallel-rank": "1"})
@@ -117,9 +119,10 @@ async def test_data_parallel_ranks_ports_and_header(tokenizer):
                 assert item.batch.data_parallel_rank == 1
                 async with s.get(shim.url + "/debug/kv_cache") as r:
                     ranks = (await r.json())["ranks"]
-                assert ranks["0"]["hashes"] == [] and len(ranks["1"]["hashes"]) == len(
-                    encode_prompt(tokenizer, PROMPT)
-                ) // 16
+                assert (
+                    ranks["0"]["hashes"] == []
+                    and len(ranks["1"]["hashes"]) == len(encode_prompt(tokenizer, PROMPT)) // 16
+                )
                 # Without the header: the least-loaded rank, ties to rank 0.
                 headers, _ = await complete(s, shim.url)
                 assert headers["x-data-parallel-rank"] == "0"
@@ -132,6 +135,9 @@ async def test_default_rank_is_least_loaded(tokenizer):
         body = {"prompt": PROMPT, "max_tokens": 1000, "stream": True}
         r0 = await s.post(shim.url + "/v1/completions", json=body)
         r1 = await s.post(shim.url + "/v1/completions", json=body)
-        assert {r0.headers["x-data-parallel-rank"], r1.headers["x-data-parallel-rank"]} == {"0", "1"}
+        assert {r0.headers["x-data-parallel-rank"], r1.headers["x-data-parallel-rank"]} == {
+            "0",
+            "1",
+        }
         r0.close()
         r1.close()

@@ -116,7 +116,9 @@ async def test_tokenize_parity_with_events_tokenizer(tokenizer):
         assert d["tokens"] == encode_prompt(tokenizer, PROMPT, add_special_tokens=True)
         assert d["count"] == len(d["tokens"]) and d["max_model_len"] == 2048
         assert d["token_strs"] is None
-        async with s.post(shim.url + "/tokenize", json={"messages": msgs, "return_token_strs": True}) as r:
+        async with s.post(
+            shim.url + "/tokenize", json={"messages": msgs, "return_token_strs": True}
+        ) as r:
             d = await r.json()
         assert d["tokens"] == encode_chat(tokenizer, msgs)
         assert d["token_strs"] == tokenizer.convert_ids_to_tokens(d["tokens"])

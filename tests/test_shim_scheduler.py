@@ -28,7 +28,7 @@ def step(sched: Scheduler, token: int = 7):
 
 
 def test_chunked_prefill_splits_a_long_prompt():
-    sched, mgr, batches = make(budget=64)
+    sched, _, batches = make(budget=64)
     sched.add_request(Request("r", toks(1, 150), max_tokens=2))
     chunks = []
     while True:
