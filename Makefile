@@ -5,7 +5,7 @@ PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 CACHE := .cache
 
-.PHONY: test demo lint format venv tokenizer bench clean
+.PHONY: test demo lint format venv tokenizer model bench clean
 
 $(STAMP): pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -20,7 +20,11 @@ venv: $(STAMP)
 tokenizer: $(STAMP)
 	$(PY) -m events.tokenizer
 
-test: $(STAMP) tokenizer
+# Dequantize SmolLM2-135M from the same GGUF once (torch backend of the engine shim).
+model: $(STAMP)
+	$(PY) -m engine_shim.model_setup
+
+test: $(STAMP) tokenizer model
 	$(PY) -m ruff check .
 	$(PY) -m pytest -q
 

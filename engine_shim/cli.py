@@ -58,6 +58,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     ap.add_argument("--data-parallel-size", "-dp", type=int, default=1)
     ap.add_argument("--backend", default="sim", choices=BACKENDS)
+    ap.add_argument("--model-path", default=None, help="weights directory for --backend torch")
     ap.add_argument("--max-request-body-bytes", type=int, default=DEFAULT_MAX_BODY)
     return ap
 
@@ -77,6 +78,7 @@ def config_from_args(args: argparse.Namespace) -> ShimConfig:
         seed=args.seed,
         time_scale=args.time_scale,
         backend=args.backend,
+        model_path=args.model_path,
     )
     engine.validate()
     if args.data_parallel_size < 1:
@@ -121,7 +123,7 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     try:
         asyncio.run(serve(config))
-    except (BackendUnavailable, TokenizerUnavailable, OSError, ValueError) as e:
+    except (BackendUnavailable, TokenizerUnavailable, OSError, ValueError, RuntimeError) as e:
         print(f"engine-shim: error: {e}", file=sys.stderr)
         return 1
     except KeyboardInterrupt:

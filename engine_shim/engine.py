@@ -43,6 +43,7 @@ class EngineConfig:
     seed: int = 0
     time_scale: float = 1.0
     backend: str = "sim"
+    model_path: str | None = None  # weights directory for a real backend (None: its default)
 
     def validate(self) -> None:
         if self.block_size <= 0 or self.num_gpu_blocks < 2:
@@ -118,6 +119,7 @@ class EngineCore:
                 data_parallel_rank=rank,
                 tokenizer=tokenizer,
                 eos_token_id=eos_token_id,
+                model_path=config.model_path,
             ),
         )
         self._streams: dict[str, asyncio.Queue] = {}
