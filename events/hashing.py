@@ -108,6 +108,8 @@ def _cbor_block_bodies(tokens: Sequence[int], bs: int) -> list[bytes] | None:
         return None
     n = len(tokens)
     nb = n // bs
+    if array("I").itemsize != 4:  # pragma: no cover - 4 on every platform we run on
+        return None
     try:
         a = np.frombuffer(array("I", tokens), dtype=np.uint32)
     except (OverflowError, TypeError, ValueError):

@@ -200,6 +200,11 @@ class Ingest:
         if sub is not None:
             sub.close()
 
+    def restart(self, st: InstanceState) -> None:
+        """Follow the instance again from seq 0 (its replay buffer rebuilds the blocks)."""
+        self.stop_soon(st.key)
+        self.start(st)
+
     def stop_soon(self, key: InstanceKey) -> None:
         """From a synchronous fleet callback: stop the task without awaiting it."""
         task = self._tasks.pop(key, None)

@@ -178,6 +178,12 @@ class Router:
 
     def _health_changed(self, st: InstanceState) -> None:
         self.metrics.healthy.labels(str(st.key)).set(1.0 if st.healthy else 0.0)
+        if st.healthy and self._started:
+            # vLLM 0.33's stream has no epoch: an engine that was unreachable may have
+            # restarted with seqs that look like a continuation. Rebuild its blocks from its
+            # replay buffer instead of trusting what we had.
+            self.applier.drop(st.key, "engine was unreachable; rebuilding its blocks from replay")
+            self.ingest.restart(st)
 
     def _observe(self, key: InstanceKey, ev: Any) -> None:
         """Parity check of one block-0 event; a seed scan runs in a thread when needed."""

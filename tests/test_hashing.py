@@ -204,12 +204,12 @@ def test_spec_full_digests():
 # Prompt embeddings
 
 
-def _reference_chain(algo: str, tokens, extras) -> list[bytes]:
+def _reference_chain(algo: str, tokens, extras, bs: int = 16) -> list[bytes]:
     """Independent recomputation with the generic serializers (cbor2 / pickle)."""
     parent = none_hash(algo, None)
     out = []
     for i, extra in enumerate(extras):
-        obj = (parent, tuple(tokens[i * 16 : (i + 1) * 16]), extra)
+        obj = (parent, tuple(tokens[i * bs : (i + 1) * bs]), extra)
         data = (
             cbor2.dumps(obj, canonical=True)
             if algo == "sha256_cbor"
@@ -296,6 +296,22 @@ def test_plain_chain_matches_generic_path():
     ] * 3
     got = HashScheme().block_digests(tokens)
     assert got == _reference_chain("sha256_cbor", tokens, [None] * 3)
+
+
+@pytest.mark.parametrize("bs", [16, 32])
+def test_vectorised_long_chain_matches_generic_path(bs):
+    """Long prompts take the numpy path: every CBOR int width, and a partial tail block."""
+    edge = [0, 1, 23, 24, 255, 256, 65535, 65536, 2**32 - 1, 151_642, 7, 99_999]
+    tokens = (edge * (64 * bs // len(edge) + 1))[: 40 * bs + 5]
+    got = HashScheme(block_size=bs).block_digests(tokens)
+    ref = _reference_chain("sha256_cbor", [*tokens[: 40 * bs]], [None] * 40, bs)
+    assert got == ref
+    # Continuing a chain and ids that do not fit 32 bits fall back to the exact paths.
+    assert HashScheme(block_size=bs).block_digests(tokens, parent=got[3], start_block=4) == got[4:]
+    big = [*tokens[: 40 * bs - 1], 2**40]
+    assert HashScheme(block_size=bs).block_digests(big) == _reference_chain(
+        "sha256_cbor", big, [None] * 40, bs
+    )
 
 
 def test_partial_block_not_hashed_and_errors():
