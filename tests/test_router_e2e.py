@@ -32,7 +32,9 @@ def client_for(fleet) -> openai.AsyncOpenAI:
 
 async def chat(client, body: dict):
     """(headers, completion) through the openai client."""
-    extra = {k: v for k, v in body.items() if k not in ("model", "messages", "max_tokens", "temperature")}
+    extra = {
+        k: v for k, v in body.items() if k not in ("model", "messages", "max_tokens", "temperature")
+    }
     raw = await client.chat.completions.with_raw_response.create(
         model=body["model"],
         messages=body["messages"],
@@ -85,7 +87,9 @@ async def test_burst_with_one_prefix_lands_together(tokenizer):
         await fleet.joined()
         client = client_for(fleet)
         system = long_text(2, 400)
-        results = await asyncio.gather(*(chat(client, chat_body(system, f"q{n}")) for n in range(6)))
+        results = await asyncio.gather(
+            *(chat(client, chat_body(system, f"q{n}")) for n in range(6))
+        )
         routed = [h["x-routed-to"] for h, _ in results]
         assert len(set(routed)) <= 2, routed  # max_share may spill to a second instance
 
@@ -215,7 +219,9 @@ async def test_engine_killed_under_load_loses_no_unstarted_request(tokenizer):
             async with aiohttp.ClientSession() as s:
 
                 async def one(n: int) -> tuple[int, bool]:
-                    body = chat_body(long_text(200 + n, 300), "load", max_tokens=32, stream=n % 2 == 0)
+                    body = chat_body(
+                        long_text(200 + n, 300), "load", max_tokens=32, stream=n % 2 == 0
+                    )
                     async with s.post(url, json=body) as r:
                         data = await r.read()
                         return r.status, b'"error"' in data
@@ -240,7 +246,9 @@ async def test_engine_killed_under_load_loses_no_unstarted_request(tokenizer):
 
 
 async def test_debug_route_explains_without_forwarding(tokenizer):
-    async with running_fleet(tokenizer, [new_slot() for _ in range(2)], admin_token="s3cret") as fleet:
+    async with running_fleet(
+        tokenizer, [new_slot() for _ in range(2)], admin_token="s3cret"
+    ) as fleet:
         await fleet.joined()
         client = client_for(fleet)
         system = long_text(7, 300)
