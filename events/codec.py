@@ -14,10 +14,10 @@ for BlockStored (msgspec sizes the header by the number of declared keys, not pr
 from __future__ import annotations
 
 from collections.abc import Iterable
-from dataclasses import fields
 from typing import Any, Literal
 
 import msgpack
+import msgspec
 
 from events.model import (
     EVENT_TYPES,
@@ -39,7 +39,7 @@ class CodecError(ValueError):
 
 # Declared field names per event type, in vLLM's declaration order (positional layout).
 _FIELDS: dict[type, tuple[str, ...]] = {
-    cls: tuple(f.name for f in fields(cls)) for cls in (BlockStored, BlockRemoved, AllBlocksCleared)
+    cls: cls.__struct_fields__ for cls in (BlockStored, BlockRemoved, AllBlocksCleared)
 }
 _HASH_FIELDS = ("block_hashes", "parent_block_hash")
 
@@ -101,7 +101,14 @@ def _build_stored(d: dict[str, Any], keep_bytes: bool) -> BlockStored:
     _check_int(d.get("lora_id"), "BlockStored.lora_id")
     _check_int(d.get("group_idx"), "BlockStored.group_idx")
     _check_int(d.get("kv_cache_spec_sliding_window"), "BlockStored.kv_cache_spec_sliding_window")
-    for name in ("medium", "lora_name", "kv_cache_spec_kind", "locality", "ownership", "session_id"):
+    for name in (
+        "medium",
+        "lora_name",
+        "kv_cache_spec_kind",
+        "locality",
+        "ownership",
+        "session_id",
+    ):
         _check_str(d.get(name), f"BlockStored.{name}")
     extra = d.get("extra_keys")
     if extra is not None and not isinstance(extra, list):
@@ -128,7 +135,30 @@ def _build_stored(d: dict[str, Any], keep_bytes: bool) -> BlockStored:
     )
 
 
+_STR_OR_NONE = (str, type(None))
+_INT_OR_NONE = (int, type(None))
+
+
 def _build_removed(d: dict[str, Any], keep_bytes: bool) -> BlockRemoved:
+    # Fast path for what vLLM sends (one u64 per event, a few short fields): this is the
+    # event type an engine under eviction pressure sends most, one per evicted block.
+    hashes = d.get("block_hashes")
+    medium = d.get("medium")
+    group = d.get("group_idx")
+    locality = d.get("locality")
+    ownership = d.get("ownership")
+    if (
+        type(hashes) is list
+        and len(hashes) == 1
+        and type(hashes[0]) is int
+        and 0 <= hashes[0] <= U64_MASK
+        and isinstance(medium, _STR_OR_NONE)
+        and isinstance(group, _INT_OR_NONE)
+        and type(group) is not bool
+        and isinstance(locality, _STR_OR_NONE)
+        and isinstance(ownership, _STR_OR_NONE)
+    ):
+        return BlockRemoved(hashes, medium, group, locality, ownership)
     if "block_hashes" not in d:
         raise CodecError("BlockRemoved: missing field 'block_hashes'")
     _check_int(d.get("group_idx"), "BlockRemoved.group_idx")
@@ -155,7 +185,7 @@ def _decode_event(raw: Any, keep_bytes: bool) -> KVEvent:
         if cls is None:
             raise CodecError(f"event: unknown type tag {tag!r}")
         names = _FIELDS[cls]
-        d = dict(zip(names, raw[1 : 1 + len(names)]))
+        d = dict(zip(names, raw[1 : 1 + len(names)], strict=False))
     else:
         raise CodecError(f"event: expected a map or an array, got {type(raw).__name__}")
     if tag == "BlockStored":
@@ -167,12 +197,59 @@ def _decode_event(raw: Any, keep_bytes: bool) -> KVEvent:
     raise CodecError(f"event: unknown type {tag!r}")
 
 
+_FAST_DECODER = msgspec.msgpack.Decoder(KVEventBatch)
+
+
+def _normalized(hashes: list[Hash], keep_bytes: bool, what: str) -> list[Hash]:
+    for h in hashes:
+        if type(h) is not int or h < 0:
+            return [_hash(x, keep_bytes, what) for x in hashes]
+    return hashes
+
+
+def _fast_decode(payload: bytes, keep_bytes: bool) -> KVEventBatch | None:
+    """The map layout of vLLM >= 0.24, decoded and type-checked in C; None if it doesn't fit.
+
+    Anything unusual (array events, odd types, unknown event types) falls through to the
+    tolerant generic path, which also produces the precise error message.
+    """
+    if not payload or not 0x92 <= payload[0] <= 0x9F:  # [ts, events, ...] as a fixarray
+        return None
+    try:
+        batch = _FAST_DECODER.decode(payload)
+    except (msgspec.DecodeError, msgspec.ValidationError):
+        return None
+    for ev in batch.events:
+        if type(ev) is AllBlocksCleared:
+            continue
+        hashes = ev.block_hashes
+        if len(hashes) == 1:
+            h = hashes[0]
+            if type(h) is not int or h < 0:
+                ev.block_hashes = [_hash(h, keep_bytes, f"{ev.TYPE}.block_hashes")]
+        else:
+            ev.block_hashes = _normalized(hashes, keep_bytes, f"{ev.TYPE}.block_hashes")
+        if type(ev) is BlockStored:
+            if ev.block_size <= 0:
+                raise CodecError(f"BlockStored.block_size: must be positive, got {ev.block_size}")
+            p = ev.parent_block_hash
+            if p is not None and (type(p) is not int or p < 0):
+                ev.parent_block_hash = _hash(p, keep_bytes, "BlockStored.parent_block_hash")
+    batch.ts = float(batch.ts)
+    return batch
+
+
 def decode_batch(payload: bytes, keep_bytes: bool = False) -> KVEventBatch:
     """Decode one msgpack payload (frame 2 of a live message) into a batch.
 
     ``keep_bytes`` keeps digest-bytes hashes as bytes instead of folding them to u64 (for
     tools that want to show what the engine sent).
     """
+    if not isinstance(payload, (bytes, bytearray, memoryview)):
+        raise CodecError(f"payload must be bytes, got {type(payload).__name__}")
+    fast = _fast_decode(payload, keep_bytes)
+    if fast is not None:
+        return fast
     try:
         obj = msgpack.unpackb(payload, raw=False, strict_map_key=False, use_list=True)
     except Exception as e:  # msgpack raises several unrelated types on bad input

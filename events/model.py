@@ -3,14 +3,19 @@
 Field names, order and defaults are vLLM's (spec §1.5), because the map layout encodes
 fields by name and the array layout by position: keeping the declaration order here is what
 lets the codec write either layout and read both.
+
+The classes are msgspec Structs with vLLM's struct options (tagged map events, positional
+batch) so that the codec can decode the common case in C, several times faster than building
+objects from a generic msgpack tree; everything else about them is plain attribute access.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
-from typing import Any, ClassVar, Union
+from typing import Any, ClassVar
 
-Hash = Union[int, bytes]
+import msgspec
+
+Hash = int | bytes
 
 MEDIUM_GPU = "GPU"
 MEDIUM_CPU = "CPU"
@@ -20,8 +25,7 @@ MEDIUM_STORAGE = "STORAGE"
 PREFIX_KINDS = frozenset({"full_attention", "mla_attention", "sink_full_attention"})
 
 
-@dataclass(slots=True)
-class BlockStored:
+class BlockStored(msgspec.Struct, tag=True, omit_defaults=True, gc=False):
     """Full blocks that entered the prefix cache; ``token_ids`` holds all their tokens."""
 
     block_hashes: list[Hash]
@@ -53,8 +57,7 @@ class BlockStored:
     )
 
 
-@dataclass(slots=True)
-class BlockRemoved:
+class BlockRemoved(msgspec.Struct, tag=True, omit_defaults=True, gc=False):
     """Blocks evicted from the cache (vLLM sends one hash per event)."""
 
     block_hashes: list[Hash]
@@ -67,24 +70,24 @@ class BlockRemoved:
     REQUIRED: ClassVar[tuple[str, ...]] = ("block_hashes", "medium")
 
 
-@dataclass(slots=True)
-class AllBlocksCleared:
+class AllBlocksCleared(msgspec.Struct, tag=True, omit_defaults=True, gc=False):
     """The whole prefix cache was reset; no per-block removals precede it."""
 
     TYPE: ClassVar[str] = "AllBlocksCleared"
     REQUIRED: ClassVar[tuple[str, ...]] = ()
 
 
-KVEvent = Union[BlockStored, BlockRemoved, AllBlocksCleared]
+KVEvent = BlockStored | BlockRemoved | AllBlocksCleared
 EVENT_TYPES: dict[str, type] = {c.TYPE: c for c in (BlockStored, BlockRemoved, AllBlocksCleared)}
 
 
-@dataclass(slots=True)
-class KVEventBatch:
+class KVEventBatch(msgspec.Struct, array_like=True, gc=False):
     """One published message: the events of one engine step."""
 
     ts: float
-    events: list[KVEvent] = field(default_factory=list)
+    events: list[BlockStored | BlockRemoved | AllBlocksCleared] = msgspec.field(
+        default_factory=list
+    )
     data_parallel_rank: int | None = None
 
 

@@ -62,7 +62,7 @@ async def test_one_prefix_lands_on_one_instance(tokenizer):
         await fleet.joined()
         client = client_for(fleet)
         system = long_text(1, 300)
-        h0, c0 = await chat(client, chat_body(system, "first question"))
+        h0, _ = await chat(client, chat_body(system, "first question"))
         first = h0["x-routed-to"]
         i = [s.url for s in fleet.slots].index(first)
         await settle_index(fleet, i)
@@ -110,7 +110,7 @@ async def test_salted_requests_never_share(tokenizer):
         await fleet.joined()
         client = client_for(fleet)
         system = long_text(3, 300)
-        h1, c1 = await chat(client, chat_body(system, "same", cache_salt="tenant-a"))
+        h1, _ = await chat(client, chat_body(system, "same", cache_salt="tenant-a"))
         i = [s.url for s in fleet.slots].index(h1["x-routed-to"])
         await settle_index(fleet, i)
         h2, c2 = await chat(client, chat_body(system, "same", cache_salt="tenant-b"))
