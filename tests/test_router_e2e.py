@@ -13,6 +13,7 @@ import json
 import aiohttp
 import openai
 import pytest
+from conftest import free_port
 from test_router_e2e_harness import (
     MODEL,
     ShimProcess,
@@ -279,3 +280,29 @@ async def test_debug_route_explains_without_forwarding(tokenizer):
         after = fleet.router.metrics.requests.labels(h["x-routed-to"], "ok")._value.get()
         assert after == before  # nothing was forwarded
         json.dumps(out)
+
+
+async def test_ready_is_503_without_healthy_engine():
+    from router.config import RouterConfig
+    from router.instance import EngineSpec
+    from router.server import Router
+
+    port = free_port()
+    cfg = RouterConfig(
+        engines=[EngineSpec(f"http://127.0.0.1:{port}", replay="none")],
+        tokenizer="engine",
+        health_interval_s=0.1,
+        connect_timeout_s=0.5,
+    )
+    router = Router(cfg)
+    from aiohttp.test_utils import TestClient, TestServer
+
+    from router.server import build_app
+
+    async with TestClient(TestServer(build_app(router))) as c:
+        await wait_for(lambda: not router.fleet.any_healthy(), 5, "engine marked down")
+        r = await c.get("/ready")
+        assert r.status == 503
+        r = await c.post("/v1/chat/completions", json=chat_body("s", "u"))
+        assert r.status == 503
+        assert (await r.json())["error"]["code"] == 503
