@@ -110,7 +110,22 @@ async def decision_bench(args: argparse.Namespace) -> dict:
     router = Router(RouterConfig(engines=engines), hf_tokenizer=tok)
     for e in engines:
         router.fleet.add_engine(e)  # not started: no sockets, no health checks
-    words = ["the", "quick", "brown", "fox", "jumps", "over", "a", "lazy", "dog", "while", "seven", "wizards", "quietly", "hex"]
+    words = [
+        "the",
+        "quick",
+        "brown",
+        "fox",
+        "jumps",
+        "over",
+        "a",
+        "lazy",
+        "dog",
+        "while",
+        "seven",
+        "wizards",
+        "quietly",
+        "hex",
+    ]
     out: dict = {}
     for target in (2048, 8192):
         text = " ".join(words[i % len(words)] + str(i % 97) for i in range(target // 2))

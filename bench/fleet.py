@@ -54,18 +54,18 @@ BLOCK_SIZE = 16
 # Workload sizes. Full mode: a few minutes for all five policies on 2 cores; quick mode: the
 # chat workload with five policies in well under two minutes.
 FULL_SIZES: dict[str, dict[str, Any]] = {
-    "chat": {"sessions": 60, "turns": 6, "rate": 12.0, "think_s": 1.0},
+    "chat": {"sessions": 48, "turns": 6, "rate": 14.0, "think_s": 1.0},
     "shared": {"requests": 240, "rate": 12.0},
-    "agent": {"loops": 36, "steps": 6, "rate": 10.0},
+    "agent": {"loops": 30, "steps": 6, "rate": 12.0},
     "unique": {"requests": 160, "rate": 8.0},
-    "mooncake": {"limit": 240},
+    "mooncake": {"limit": 160, "rate": 8.0},
 }
 QUICK_SIZES: dict[str, dict[str, Any]] = {
     "chat": {"sessions": 20, "turns": 5, "rate": 14.0, "think_s": 0.5},
     "shared": {"requests": 80, "rate": 12.0},
     "agent": {"loops": 12, "steps": 5, "rate": 12.0, "step_s": 0.2},
     "unique": {"requests": 60, "rate": 10.0},
-    "mooncake": {"limit": 80},
+    "mooncake": {"limit": 80, "rate": 8.0},
 }
 
 
@@ -491,9 +491,11 @@ def build_workload(name: str, args: argparse.Namespace) -> list[wl.WorkloadReque
     sizes = dict((QUICK_SIZES if args.quick else FULL_SIZES).get(name, {}))
     if name == "mooncake":
         trace = args.trace or wl.SYNTHETIC_TRACE
-        return wl.mooncake_workload(
+        reqs = wl.mooncake_workload(
             trace, limit=sizes.get("limit"), max_tokens=args.max_tokens, max_input=args.max_input
         )
+        rate = sizes.get("rate") if args.trace is None else None  # a user trace keeps its pace
+        return wl.scale_to_rate(reqs, rate) if rate else reqs
     fn = wl.WORKLOADS.get(name)
     if fn is None:
         path = Path(name)

@@ -21,7 +21,6 @@ that "largest share of in-flight work" is measured the same way for all of them.
 from __future__ import annotations
 
 import itertools
-import random
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
@@ -185,7 +184,6 @@ def make_client_policy(name: str, engines: int, seed: int = 0) -> ClientPolicy:
     if name == "round_robin":
         return RoundRobin(engines)
     if name == "least_loaded":
-        random.Random(seed)
         return LeastLoaded(engines)
     if name == "oracle":
         return Oracle(engines, seed=seed)

@@ -41,7 +41,45 @@ TOPICS = [
     "You are a cooking coach. Explain techniques, substitutions, timings and food safety for "
     "home cooks, with metric and imperial units.",
 ]
-WORDS = ["system", "network", "request", "cache", "latency", "throughput", "memory", "token", "budget", "policy", "shard", "replica", "window", "queue", "batch", "stream", "region", "quota", "schedule", "backup", "restore", "migrate", "archive", "index", "kitchen", "sauce", "oven", "recipe", "flight", "hotel", "museum", "train", "ticket", "passport", "review", "patch", "commit"]
+WORDS = [
+    "system",
+    "network",
+    "request",
+    "cache",
+    "latency",
+    "throughput",
+    "memory",
+    "token",
+    "budget",
+    "policy",
+    "shard",
+    "replica",
+    "window",
+    "queue",
+    "batch",
+    "stream",
+    "region",
+    "quota",
+    "schedule",
+    "backup",
+    "restore",
+    "migrate",
+    "archive",
+    "index",
+    "kitchen",
+    "sauce",
+    "oven",
+    "recipe",
+    "flight",
+    "hotel",
+    "museum",
+    "train",
+    "ticket",
+    "passport",
+    "review",
+    "patch",
+    "commit",
+]
 
 
 def free_port() -> int:

@@ -15,6 +15,7 @@ Forwarding rules (issue 4 §7):
 from __future__ import annotations
 
 import asyncio
+import hashlib
 import json
 import logging
 import random
@@ -132,13 +133,20 @@ def validate_request(body: dict[str, Any], kind: str) -> None:
         raise RouterError(400, "'stream_options' must be an object", "stream_options")
 
 
-def wants_prompt_logprobs(body: dict[str, Any], kind: str) -> bool:
-    """vLLM does not read its prefix cache for these requests, so they get no prefix credit."""
-    if body.get("prompt_logprobs") is not None:
-        return True
-    if body.get("echo"):
-        return body.get("top_logprobs" if kind == "chat" else "logprobs") is not None
-    return False
+def apply_api_key_salt(request: web.Request, body: dict[str, Any]) -> bool:
+    """--salt-by-api-key: tenants that share engines never share cached blocks.
+
+    A request without its own ``cache_salt`` gets one derived from its API key (a digest, so
+    the key itself never reaches the engine's cache keys or events). Returns True when the
+    body was changed.
+    """
+    if body.get("cache_salt") is not None:
+        return False
+    scheme, _, key = request.headers.get("Authorization", "").partition(" ")
+    if scheme.lower() != "bearer" or not key.strip():
+        return False
+    body["cache_salt"] = "k" + hashlib.sha256(key.strip().encode()).hexdigest()[:32]
+    return True
 
 
 def client_wants_usage(body: dict[str, Any]) -> bool:
@@ -285,6 +293,7 @@ async def handle_completions(request: web.Request, kind: str) -> web.StreamRespo
     try:
         body = await read_json_body(request, router.config.max_body_bytes)
         validate_request(body, kind)
+        salted = router.config.salt_by_api_key and apply_api_key_salt(request, body)
         decision = await decide(router, body, kind)
     except RouterError as e:
         router.metrics.rejected.labels(str(e.status)).inc()
@@ -297,10 +306,11 @@ async def handle_completions(request: web.Request, kind: str) -> web.StreamRespo
     if stream and not client_wants_usage(body):
         so = dict(body.get("stream_options") or {})
         so["include_usage"] = True
-        fwd = dict(body)
-        fwd["stream_options"] = so
-        raw = json.dumps(fwd).encode()
+        body = dict(body)
+        body["stream_options"] = so
         strip_usage = True
+    if strip_usage or salted:
+        raw = json.dumps(body).encode()
 
     path = "/v1/chat/completions" if kind == "chat" else "/v1/completions"
     tried: list[InstanceKey] = []
@@ -468,30 +478,37 @@ async def _relay_stream(
     resp = web.StreamResponse(status=upstream.status, headers=downstream_headers(upstream) | extra)
     await resp.prepare(request)
     outcome = "ok"
+    data = first
     try:
-        out = reader.feed(first)
-        if out:
-            await resp.write(out)
-        async for chunk in chunks:
-            out = reader.feed(chunk)
+        while True:
+            out = reader.feed(data) if data else b""
             if out:
-                await resp.write(out)
-        rest = reader.flush()
-        if rest:
-            await resp.write(rest)
-    except (aiohttp.ClientError, OSError, asyncio.TimeoutError) as e:
-        outcome = "stream_error"
-        log.warning("stream broke after first byte instance=%s error=%s", st.key, e)
-        try:
-            await resp.write(sse_error_event(502, f"engine stream ended early: {type(e).__name__}"))
-        except (ConnectionError, OSError):
-            pass
-    except (ConnectionResetError, asyncio.CancelledError):
-        outcome = "client_gone"
-        raise
+                try:
+                    await resp.write(out)
+                except (ConnectionError, OSError):
+                    outcome = "client_gone"  # the client left: stop reading the engine
+                    break
+            try:
+                data = await chunks.__anext__()
+            except StopAsyncIteration:
+                rest = reader.flush()
+                if rest:
+                    await resp.write(rest)
+                break
+            except (aiohttp.ClientError, OSError, asyncio.TimeoutError) as e:
+                outcome = "stream_error"
+                log.warning("stream broke after first byte instance=%s error=%r", st.key, e)
+                try:
+                    await resp.write(
+                        sse_error_event(502, f"engine stream ended early: {type(e).__name__}")
+                    )
+                except (ConnectionError, OSError):
+                    pass
+                break
     finally:
         metrics.requests.labels(label, outcome).inc()
-    router.check_prediction(st.key, d, reader.usage)
+    if outcome == "ok":
+        router.check_prediction(st.key, d, reader.usage)
     try:
         await resp.write_eof()
     except (ConnectionError, OSError):

@@ -55,6 +55,9 @@ class Router:
         self.metrics = RouterMetrics()
         self.fleet = Fleet()
         self.index = MemoryIndex()
+        if config.index != "memory":
+            # router/redis_index.py exists but is not wired into this runtime yet.
+            log.error("--index %s is not supported by this runtime yet; using memory", config.index)
         self.pending = PendingEntries(config.pending_ttl_s)
         self.policy = Policy(
             load_weight=config.load_weight,

@@ -53,14 +53,14 @@ def test_cached_run_stops_at_first_gap():
 def test_oracle_follows_the_true_cache_and_in_flight_prompts():
     o = Oracle(3, seed=0)
     book = LoadBook(3)
-    hashes = list(range(100, 110))
+    hashes = list(range(100, 130))
     caches = [set(), set(hashes[:8]), set(hashes[:3])]
-    engine, predicted = o.choose(book, 10 * 16, hashes, caches)
+    engine, predicted = o.choose(book, 30 * 16, hashes, caches)
     assert engine == 1 and predicted == 8 * 16
-    # a prompt in flight on engine 2 counts as its future cache
-    book.begin("x", 2, 160, hashes=hashes)
-    engine, predicted = o.choose(book, 10 * 16 + 1, hashes, caches)
-    assert engine == 2 and predicted == 10 * 16
+    # a prompt in flight on engine 2 (already prefilling) counts as its future cache
+    book.begin("x", 2, 0, hashes=hashes)
+    engine, predicted = o.choose(book, 30 * 16 + 1, hashes, caches)
+    assert engine == 2 and predicted == 30 * 16
 
 
 def test_oracle_weighs_load_like_the_router():

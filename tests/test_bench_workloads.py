@@ -8,6 +8,7 @@ from pathlib import Path
 # bench/ is not an installed package: import it from the checkout.
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+import itertools
 import json
 
 import pytest

@@ -306,3 +306,18 @@ async def test_ready_is_503_without_healthy_engine():
         r = await c.post("/v1/chat/completions", json=chat_body("s", "u"))
         assert r.status == 503
         assert (await r.json())["error"]["code"] == 503
+
+
+async def test_salt_by_api_key_separates_tenants(tokenizer):
+    async with running_fleet(tokenizer, [new_slot()], salt_by_api_key=True) as fleet:
+        await fleet.joined()
+        system = long_text(8, 300)
+        a = openai.AsyncOpenAI(base_url=fleet.base_url + "/v1", api_key="tenant-a", max_retries=0)
+        b = openai.AsyncOpenAI(base_url=fleet.base_url + "/v1", api_key="tenant-b", max_retries=0)
+        await chat(a, chat_body(system, "same"))
+        await settle_index(fleet, 0)
+        _, cb = await chat(b, chat_body(system, "same"))
+        assert cached(cb) == 0
+        await settle_index(fleet, 0)
+        ha, ca = await chat(a, chat_body(system, "same"))
+        assert cached(ca) > 0 and int(ha["x-prefix-hit-tokens"]) == cached(ca)
