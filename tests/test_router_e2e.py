@@ -14,7 +14,7 @@ import aiohttp
 import openai
 import pytest
 from conftest import free_port
-from test_router_e2e_harness import (
+from router_harness import (
     MODEL,
     ShimProcess,
     chat_body,

@@ -13,7 +13,7 @@ import aiohttp
 import openai
 import pytest
 import pytest_asyncio
-from test_router_e2e_harness import MODEL, chat_body, long_text, new_slot, running_fleet, wait_for
+from router_harness import MODEL, chat_body, long_text, new_slot, running_fleet, wait_for
 
 from router.discovery import DiscoveryError, DnsDiscovery, parse_target
 from router.fleet import Fleet

@@ -98,7 +98,7 @@ def new_slot(**kw: Any) -> ShimSlot:
 
 
 @dataclass
-class TestFleet:
+class HarnessFleet:
     slots: list[ShimSlot]
     router: Router
     runner: web.AppRunner
@@ -159,7 +159,7 @@ async def running_fleet(
     await runner.setup()
     site = web.TCPSite(runner, "127.0.0.1", cfg.port)
     await site.start()
-    fleet = TestFleet([*slots, *external], router, runner, cfg.port)
+    fleet = HarnessFleet([*slots, *external], router, runner, cfg.port)
     try:
         yield fleet
     finally:
