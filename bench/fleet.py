@@ -532,7 +532,8 @@ def load_workloads(
     for name in args.workload:
         requests = build_workload(name, args)
         if args.save_workload:
-            wl.write_jsonl(Path(args.save_workload) / f"{name}.jsonl", requests, {"name": name})
+            label = name if name in wl.WORKLOADS else Path(name).stem
+            wl.write_jsonl(Path(args.save_workload) / f"{label}.jsonl", requests, {"name": label})
         out[name] = (requests, prepare(requests) if "oracle" in args.policy else {})
     return out
 
@@ -595,7 +596,7 @@ async def run_workload(
                 procs.stop_one(router_proc)
     rate = args.rate or wl.request_rate(requests)
     return {
-        "workload": name,
+        "workload": name if name in wl.WORKLOADS else Path(name).stem,
         "requests": len(requests),
         "sessions": len({r.session for r in requests if r.session}),
         "rate": rate,

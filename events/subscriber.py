@@ -8,7 +8,10 @@ So this subscriber never silently drops, duplicates or reorders a batch:
   replay endpoint (a DEALER, because the ROUTER sends one message per batch, spec §2.3) and
   delivered in order before the live batch; what replay cannot provide becomes a "gap" item;
 * a seq below the next expected one is a publisher restart (vLLM counts from 0 again, with
-  no epoch id) unless it is a live copy of a batch already delivered by the initial replay;
+  no epoch id) unless it is a live copy of a batch already delivered by the initial replay:
+  the seq alone cannot tell (a restarted publisher reuses the same seqs), so the digest of
+  each replayed payload is kept until the live stream moves past the replay window, and a
+  live batch inside it is a duplicate only when its payload is the same;
 * frames that do not parse become "bad_frame" items, counted, never exceptions.
 
 The sequencing rules live in ``Sequencer``, free of sockets: its methods are generators that
@@ -19,6 +22,7 @@ and differ only in how they wait.
 from __future__ import annotations
 
 import asyncio
+import hashlib
 import time
 from collections import deque
 from collections.abc import AsyncIterator, Generator, Iterator
@@ -115,8 +119,10 @@ class Sequencer:
         self.stats = stats or SubscriberStats()
         self.expect: int | None = None  # next seq in order; None until the first message
         # Seqs delivered by the initial replay whose live copies may still be queued in the
-        # SUB socket: dropped silently, but only until the live stream has moved past them.
+        # SUB socket: dropped silently, but only until the live stream has moved past them,
+        # and only when the payload is the one replayed (same seq, other payload = restart).
         self._dedup: tuple[int, int] | None = None
+        self._dedup_digests: dict[int, bytes] = {}
 
     # -- entry points (generators yielding ReplayRequest) ---------------------------------
 
@@ -135,6 +141,7 @@ class Sequencer:
         if min(got) > from_seq:
             self.stats.gaps_unfilled += 1
         self._dedup = (from_seq, max(got))
+        self._dedup_digests = {s: _digest(p) for s, p in got.items()}
         self.expect = max(got) + 1
         return items
 
@@ -151,10 +158,10 @@ class Sequencer:
         if exp is not None and seq > exp:
             items += yield from self._repair(exp, seq - 1)
         elif exp is not None and seq < exp:
-            if self._dedup is not None and self._dedup[0] <= seq <= self._dedup[1]:
+            if self._is_replayed_copy(seq, payload):
                 return []  # already delivered by replay
             self.stats.restarts += 1
-            self._dedup = None
+            self._end_dedup()
             items.append(
                 StreamItem(
                     "restart",
@@ -165,12 +172,24 @@ class Sequencer:
             if seq > 0:  # a restarted publisher counts from 0: fetch what we missed of it
                 items += yield from self._repair(0, seq - 1)
         if self._dedup is not None and seq > self._dedup[1]:
-            self._dedup = None
+            self._end_dedup()
         items.append(self._item(seq, payload, replayed=False))
         self.expect = seq + 1
         return items
 
     # -- internals -----------------------------------------------------------------------
+
+    def _is_replayed_copy(self, seq: int, payload: bytes) -> bool:
+        """A live batch the initial replay already delivered (same seq and same payload)."""
+        if self._dedup is None or not self._dedup[0] <= seq <= self._dedup[1]:
+            return False
+        # A seq the replay did not have was published before we connected: its live copy
+        # cannot still be queued, so seeing it now means the publisher started over.
+        return self._dedup_digests.get(seq) == _digest(payload)
+
+    def _end_dedup(self) -> None:
+        self._dedup = None
+        self._dedup_digests = {}
 
     def _repair(self, lo: int, hi: int) -> Steps:
         self.stats.gaps += 1
@@ -231,6 +250,10 @@ class Sequencer:
         self.stats.batches += 1
         self.stats.replayed += int(replayed)
         return StreamItem("batch", seq=seq, batch=batch, replayed=replayed)
+
+
+def _digest(payload: bytes) -> bytes:
+    return hashlib.blake2b(payload, digest_size=16).digest()
 
 
 # --------------------------------------------------------------------------------------

@@ -151,7 +151,7 @@ class RouterConfig:
     tokenizer: str | None = None
     model: str | None = None
     lora_adapters: dict[str, LoRA] = field(default_factory=dict)
-    load_weight: float = 1.0
+    load_weight: float = 0.5
     temperature: float = 0.0
     max_share: float = 0.5
     in_flight_tokens: float = 32.0

@@ -7,6 +7,12 @@ weighted, the tokens of work already waiting on it, where each in-flight request
 as ``in_flight_tokens`` tokens of decode work.* Both terms are in tokens, so the trade-off
 between cache affinity and load has one knob (``load_weight``) and no threshold cliffs.
 
+The default ``load_weight`` is 0.5: a request waiting behind a queued prefill of the same
+prefix on one engine starts about as early as one prefilling the whole prefix on an idle
+engine (weight 1 makes the two tie), but it keeps one copy of the prefix in the fleet's
+caches instead of two, so the tie is broken in favour of affinity: a burst with one prefix
+lands together (up to ``max_share``) instead of spreading.
+
 * The hit is counted in whole blocks, as vLLM does, and never covers the last prompt token
   (vLLM always computes at least one token, so a fully cached prompt still prefills its last
   block).
@@ -59,7 +65,7 @@ class Policy:
 
     def __init__(
         self,
-        load_weight: float = 1.0,
+        load_weight: float = 0.5,
         temperature: float = 0.0,
         max_share: float = 0.5,
         tier_credit: float = 0.5,

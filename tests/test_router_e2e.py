@@ -84,7 +84,7 @@ async def test_burst_with_one_prefix_lands_together(tokenizer):
     # (A low load weight: with 1.0 the first request's queued prefill outweighs the shared
     # prefix, and spreading the burst is the policy's right answer.)
     slots = [new_slot(time_scale=0.2) for _ in range(4)]
-    async with running_fleet(tokenizer, slots, load_weight=0.2) as fleet:
+    async with running_fleet(tokenizer, slots) as fleet:
         await fleet.joined()
         client = client_for(fleet)
         system = long_text(2, 400)
