@@ -67,6 +67,8 @@ class Ticket:
 
 
 Listener = Callable[[InstanceState], None]
+# (instance, change in requests in flight, change in queued tokens): shared load (redis_load).
+LoadListener = Callable[[InstanceKey, int, int], None]
 
 
 class Fleet:
@@ -78,6 +80,7 @@ class Fleet:
         self._on_added: list[Listener] = []
         self._on_removed: list[Listener] = []
         self._on_health: list[Listener] = []
+        self._on_load: list[LoadListener] = []
 
     # -- membership ---------------------------------------------------------------------
 
@@ -89,6 +92,10 @@ class Fleet:
 
     def on_health_change(self, fn: Listener) -> None:
         self._on_health.append(fn)
+
+    def on_load(self, fn: LoadListener) -> None:
+        """Told every change of a ticket's load (router replicas publish theirs to Redis)."""
+        self._on_load.append(fn)
 
     def add_engine(self, spec: EngineSpec) -> list[InstanceState]:
         """Register an engine (idempotent by URL); returns the instances that are new."""
@@ -196,6 +203,8 @@ class Fleet:
         if st is not None:
             st.in_flight += 1
             st.queued_tokens += queued
+            for fn in self._on_load:
+                fn(key, 1, queued)
         return Ticket(key=key, queued=queued)
 
     def first_byte(self, t: Ticket) -> None:
@@ -206,6 +215,9 @@ class Fleet:
         st = self._instances.get(t.key)
         if st is not None:
             st.queued_tokens = max(0, st.queued_tokens - t.queued)
+        if t.queued:
+            for fn in self._on_load:
+                fn(t.key, 0, -t.queued)
 
     def end(self, t: Ticket) -> None:
         if t.done:
@@ -215,6 +227,8 @@ class Fleet:
         st = self._instances.get(t.key)
         if st is not None:
             st.in_flight = max(0, st.in_flight - 1)
+        for fn in self._on_load:
+            fn(t.key, -1, 0)
 
 
 class HealthChecker:

@@ -171,13 +171,47 @@ class RouterMetrics:
             ["instance"],
             registry=r,
         )
+        # Shared state (--index redis://): all zero / absent with the memory index.
+        self.redis_degraded = Gauge(
+            "router_redis_degraded",
+            "1 while Redis cannot be reached: this replica routes on its local view",
+            registry=r,
+        )
+        self.redis_failures = Counter(
+            "router_redis_failures", "Redis operations that failed", registry=r
+        )
+        self.redis_recoveries = Counter(
+            "router_redis_recoveries",
+            "Times Redis answered again and the shared state was rebuilt",
+            registry=r,
+        )
+        self.ingest_lease = Gauge(
+            "router_ingest_lease",
+            "1 for each instance whose event stream this replica ingests (holds its lease)",
+            ["instance"],
+            registry=r,
+        )
+        self.lease_changes = Counter(
+            "router_ingest_lease_changes",
+            "Ingest lease changes on this replica: acquired, lost, fenced",
+            ["instance", "change"],
+            registry=r,
+        )
+        self._seen: dict[tuple, float] = {}
 
     def on_scrape(self, fn: Callable[[], None]) -> None:
         self._refreshers.append(fn)
 
     def forget_instance(self, instance: str) -> None:
         """Drop an instance's gauge series when discovery removes it (counters stay)."""
-        for g in (self.index_blocks, self.healthy, self.stale, self.in_flight, self.queued_tokens):
+        for g in (
+            self.index_blocks,
+            self.healthy,
+            self.stale,
+            self.in_flight,
+            self.queued_tokens,
+            self.ingest_lease,
+        ):
             try:
                 g.remove(instance)
             except KeyError:
@@ -187,6 +221,26 @@ class RouterMetrics:
                 self.parity_state.remove(instance, st)
             except KeyError:
                 pass
+
+    def sync_counter(self, counter: Counter, total: float, *labels: str) -> None:
+        """Advance a counter to a running total kept elsewhere (the Redis components)."""
+        key = (counter._name, labels)
+        delta = total - self._seen.get(key, 0.0)
+        if delta > 0:
+            (counter.labels(*labels) if labels else counter).inc(delta)
+            self._seen[key] = total
+
+    def set_shared(
+        self, figures: dict[str, float], held: dict[str, bool], changes: dict[tuple, int]
+    ) -> None:
+        """Shared-state series from RedisState.metrics() and the lease bookkeeping."""
+        self.redis_degraded.set(figures.get("redis_degraded", 0.0))
+        self.sync_counter(self.redis_failures, figures.get("redis_failures_total", 0.0))
+        self.sync_counter(self.redis_recoveries, figures.get("redis_recoveries_total", 0.0))
+        for instance, on in held.items():
+            self.ingest_lease.labels(instance).set(1.0 if on else 0.0)
+        for (instance, change), n in changes.items():
+            self.sync_counter(self.lease_changes, float(n), instance, change)
 
     def set_parity(self, instance: str, state: str) -> None:
         for st in PARITY_STATES:

@@ -154,16 +154,24 @@ def client_wants_usage(body: dict[str, Any]) -> bool:
     return bool(isinstance(so, dict) and so.get("include_usage"))
 
 
+def end_to_end(headers: Any, drop: frozenset[str]) -> dict[str, str]:
+    """Headers minus ``drop`` and minus those the sender named hop-by-hop in ``Connection``."""
+    named = {t.strip().lower() for v in headers.getall("Connection", ()) for t in v.split(",")}
+    return {k: v for k, v in headers.items() if k.lower() not in drop and k.lower() not in named}
+
+
 def upstream_headers(request: web.Request, request_id: str, rank: int, dp: int) -> dict[str, str]:
-    out = {k: v for k, v in request.headers.items() if k.lower() not in _DROP_UP}
+    out = end_to_end(request.headers, _DROP_UP)
     out["X-Request-Id"] = request_id
+    # aiohttp would offer gzip: the router reads usage from the body and passes it on as is.
+    out["Accept-Encoding"] = "identity"
     if dp > 1:
         out["X-data-parallel-rank"] = str(rank)
     return out
 
 
 def downstream_headers(resp: aiohttp.ClientResponse) -> dict[str, str]:
-    return {k: v for k, v in resp.headers.items() if k.lower() not in _DROP_DOWN}
+    return end_to_end(resp.headers, _DROP_DOWN)
 
 
 def request_id_of(request: web.Request) -> str:
@@ -346,9 +354,10 @@ async def handle_completions(request: web.Request, kind: str) -> web.StreamRespo
     if last is not None and last.response is not None:
         status, data, headers = last.response
         return web.Response(status=status, body=data, headers=headers)
+    code = 503 if last is None else 504 if last.outcome == "timeout" else 502
     msg = "no engine could take the request" + (f": {last.detail}" if last else "")
-    router.metrics.rejected.labels("502" if last else "503").inc()
-    return error_response(502 if last else 503, msg, headers={"x-request-id": rid})
+    router.metrics.rejected.labels(str(code)).inc()
+    return error_response(code, msg, headers={"x-request-id": rid})
 
 
 async def _forward(
@@ -380,6 +389,10 @@ async def _forward(
         try:
             upstream = await router.session.post(st.url + path, data=raw, headers=headers)
         except (aiohttp.ClientConnectionError, OSError) as e:
+            if _is_read_timeout(e):
+                # Slow, not gone: retried elsewhere, but the engine stays in the fleet.
+                metrics.requests.labels(label, "timeout").inc()
+                raise _Retry("timeout", f"engine {st.url} did not answer in time") from None
             metrics.requests.labels(label, "connect_error").inc()
             router.fleet.mark_failed(key, f"{type(e).__name__}: {e}")
             router.poke_health()
@@ -402,12 +415,14 @@ async def _forward(
                 )
             try:
                 data = await upstream.read()
-            except (aiohttp.ClientError, OSError) as e:
+            except (aiohttp.ClientError, OSError, asyncio.TimeoutError) as e:
+                if _is_read_timeout(e):
+                    metrics.requests.labels(label, "timeout").inc()
+                    return error_response(
+                        504, f"engine {st.url} did not answer in time", headers=extra
+                    )
                 metrics.requests.labels(label, "connect_error").inc()
                 raise _Retry("disconnected", f"{type(e).__name__}: {e}") from None
-            except asyncio.TimeoutError:
-                metrics.requests.labels(label, "timeout").inc()
-                return error_response(504, f"engine {st.url} did not answer in time", headers=extra)
             router.fleet.first_byte(ticket)
             outcome = "ok" if upstream.status < 400 else "client_error"
             metrics.requests.labels(label, outcome).inc()
@@ -428,6 +443,11 @@ async def _forward(
             )
     finally:
         router.fleet.end(ticket)
+
+
+def _is_read_timeout(e: BaseException) -> bool:
+    """The engine accepted the connection but sent nothing for ``request_timeout_s``."""
+    return isinstance(e, asyncio.TimeoutError) and not isinstance(e, aiohttp.ConnectionTimeoutError)
 
 
 async def _read_quietly(resp: aiohttp.ClientResponse) -> bytes:
@@ -467,6 +487,9 @@ async def _relay_stream(
     except StopAsyncIteration:
         first = b""
     except (aiohttp.ClientError, OSError) as e:
+        if _is_read_timeout(e):
+            metrics.requests.labels(label, "timeout").inc()
+            return error_response(504, f"engine {st.url} did not answer in time", headers=extra)
         metrics.requests.labels(label, "connect_error").inc()
         router.fleet.mark_failed(st.key, f"{type(e).__name__}: {e}")
         router.poke_health()
@@ -566,8 +589,9 @@ async def handle_passthrough(request: web.Request) -> web.StreamResponse:
     except RouterError as e:
         return error_response(e.status, e.message, e.param)
     rid = request_id_of(request)
-    headers = {k: v for k, v in request.headers.items() if k.lower() not in _DROP_UP}
+    headers = end_to_end(request.headers, _DROP_UP)
     headers["X-Request-Id"] = rid
+    headers["Accept-Encoding"] = "identity"
     random.shuffle(urls)
     last = ""
     for url in urls[: 1 + max(0, router.config.retries)]:

@@ -652,10 +652,15 @@ class SharedIndex:
         if self.mirror is not None:
             self.mirror.apply(inst, batch)
         self.seqs[inst] = seq
-        if self.state.degraded or inst in self.dirty:
+        if self.state.degraded:
             self.dirty.add(inst)
             return None
         try:
+            if inst in self.dirty:
+                # Missed by the recovery (a batch that came while it finished): copy the
+                # instance over now; the copy includes this batch and records its seq.
+                await self._refill(inst)
+                return SeqApply(True, False, ApplyResult())
             return await self.index.aapply_seq(inst, batch, seq, token)
         except REDIS_ERRORS as exc:
             self.dirty.add(inst)
@@ -683,8 +688,17 @@ class SharedIndex:
     async def _rebuild(self, lost: bool) -> None:
         todo = set(self.seqs) if lost else set(self.dirty)
         for inst in sorted(todo):
-            if self.mirror is not None:
-                await self.index.arefill(inst, self.mirror, self.seqs.get(inst))
-            else:
-                await self.index.adrop_instance(inst)
-            self.dirty.discard(inst)
+            await self._refill(inst)
+
+    async def _refill(self, inst: InstanceKey) -> None:
+        if self.mirror is not None:
+            # Ingest keeps filling the mirror while the refill awaits Redis; a batch that
+            # lands meanwhile may miss the copy, so refill again until the seq holds still.
+            for _ in range(10):
+                seq = self.seqs.get(inst)
+                await self.index.arefill(inst, self.mirror, seq)
+                if self.seqs.get(inst) == seq:
+                    break
+        else:
+            await self.index.adrop_instance(inst)
+        self.dirty.discard(inst)

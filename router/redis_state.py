@@ -171,6 +171,11 @@ class RedisState:
 
     async def check(self) -> bool:
         """One probe: PING and epoch; on success after a failure, rebuild and clear the flag."""
+        if self.degraded:
+            # Pooled sockets opened before the outage are dead if Redis restarted; with no
+            # retries each would fail one later call and flip the flag again.
+            with contextlib.suppress(Exception):
+                await self.client.connection_pool.disconnect(inuse_connections=False)
         try:
             await self.client.ping()
             epoch = await self._read_or_set_epoch()

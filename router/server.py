@@ -23,7 +23,7 @@ from router.config import RouterConfig
 from router.discovery import DnsDiscovery, parse_target
 from router.errors import RouterError, error_response
 from router.fleet import Fleet, HealthChecker, InstanceState
-from router.index import MemoryIndex
+from router.index import Match, MemoryIndex
 from router.ingest import EventApplier, Ingest
 from router.instance import InstanceKey
 from router.keys import KeyTranslator
@@ -41,6 +41,8 @@ from router.prompt import (
     validate_cache_salt,
 )
 from router.proxy import RouteDecision
+from router.redis_load import Load
+from router.shared import Hooks, ParityRecord, SharedRuntime, adopt_parity
 
 log = logging.getLogger("router.server")
 
@@ -54,10 +56,23 @@ class Router:
         self.config = config
         self.metrics = RouterMetrics()
         self.fleet = Fleet()
+        # With --index redis:// this is the mirror of the instances this replica ingests;
+        # matches then come from Redis through ``self.shared``.
         self.index = MemoryIndex()
+        self.shared: SharedRuntime | None = None
         if config.index != "memory":
-            # router/redis_index.py exists but is not wired into this runtime yet.
-            log.error("--index %s is not supported by this runtime yet; using memory", config.index)
+            self.shared = SharedRuntime(
+                config.index,
+                Hooks(
+                    wanted=self._ingest_wanted,
+                    start_ingest=self._start_ingest,
+                    stop_ingest=self._stop_ingest,
+                    export_parity=self._export_parity,
+                    import_parity=self._import_parity,
+                ),
+                self.index,
+                pending_ttl_s=config.pending_ttl_s,
+            )
         self.pending = PendingEntries(config.pending_ttl_s)
         self.policy = Policy(
             load_weight=config.load_weight,
@@ -95,6 +110,7 @@ class Router:
             observe=self._observe,
             translate=self._translate,
             on_drop=self._dropped,
+            remote=self.shared,
         )
         self.ingest = Ingest(self.applier)
         self.session: aiohttp.ClientSession = None  # type: ignore[assignment]
@@ -103,6 +119,8 @@ class Router:
         self.fleet.on_added(self._instance_added)
         self.fleet.on_removed(self._instance_removed)
         self.fleet.on_health_change(self._health_changed)
+        if self.shared is not None:
+            self.fleet.on_load(self.shared.load.change)
         self.metrics.on_scrape(self._refresh_gauges)
         self._started = False
         self._expire_task: asyncio.Task | None = None
@@ -137,6 +155,8 @@ class Router:
         )
         self.health.start()
         self._expire_task = asyncio.create_task(self._expire_loop(), name="pending-expiry")
+        if self.shared is not None:
+            await self.shared.start()
 
     async def stop(self) -> None:
         if self._expire_task is not None:
@@ -149,6 +169,8 @@ class Router:
             await self.discovery.stop()
         if self.health is not None:
             await self.health.stop()
+        if self.shared is not None:
+            await self.shared.stop()  # stops ingest first, then hands the leases over
         await self.ingest.close()
         if self.session is not None:
             await self.session.close()
@@ -168,8 +190,8 @@ class Router:
         seed = getattr(st.spec, "hash_seed", None)
         if seed is not None:
             self.parity.set_configured(st.key, replace(self.default_scheme, seed=str(seed)))
-        if self._started:
-            self.ingest.start(st)
+        if self._started and self.shared is None:
+            self.ingest.start(st)  # shared index: the lease loop starts it, if ours
 
     def _instance_removed(self, st: InstanceState) -> None:
         self.ingest.stop_soon(st.key)
@@ -178,6 +200,8 @@ class Router:
         self.index.forget_instance(st.key)
         self.pending.drop_instance(st.key)
         self.metrics.forget_instance(str(st.key))
+        if self.shared is not None:
+            self.shared.forget_instance(st.key)
 
     def _health_changed(self, st: InstanceState) -> None:
         self.metrics.healthy.labels(str(st.key)).set(1.0 if st.healthy else 0.0)
@@ -185,6 +209,9 @@ class Router:
             # vLLM 0.33's stream has no epoch: an engine that was unreachable may have
             # restarted with seqs that look like a continuation. Rebuild its blocks from its
             # replay buffer instead of trusting what we had.
+            if self.shared is not None:
+                self.shared.rebuild_soon(st.key)  # only the lease holder rebuilds
+                return
             self.applier.drop(st.key, "engine was unreachable; rebuilding its blocks from replay")
             self.ingest.restart(st)
 
@@ -220,6 +247,8 @@ class Router:
         if state == TOKEN_KEYS:
             # The engine's own hashes are useless to the prompt side from now on.
             self.index.drop_instance(key)
+            if self.shared is not None:
+                self.shared.drop_soon(key)
             self.pending.drop_instance(key)
             self._translators[key] = KeyTranslator(self.parity.key_algo, self._lora_paths)
             log.error("HASH PARITY FAILED instance=%s state=%s: %s", key, state, message)
@@ -238,6 +267,47 @@ class Router:
         """A restart or an unfillable gap: the engine may come back with another scheme."""
         self._translators.pop(key, None)
         self.parity.reset(key)
+
+    # -- shared state (--index redis://) ------------------------------------------------
+
+    def _ingest_wanted(self) -> list[InstanceKey]:
+        return [st.key for st in self.fleet.instances() if st.spec.events_endpoint(st.key.rank)]
+
+    def _start_ingest(self, key: InstanceKey, from_seq: int) -> None:
+        st = self.fleet.get(key)
+        if st is not None:
+            self.ingest.start(st, from_seq=from_seq)
+
+    async def _stop_ingest(self, key: InstanceKey) -> None:
+        await self.ingest.stop(key)
+
+    def _export_parity(self, key: InstanceKey) -> ParityRecord | None:
+        st = self.fleet.get(key)
+        if st is None:
+            return None
+        return ParityRecord(
+            self.parity.state(key), self.scheme_of(key), st.stale, self.parity.message(key)
+        )
+
+    def _import_parity(self, key: InstanceKey, rec: ParityRecord) -> None:
+        """The ingesting replica's verdict: hash prompts for this instance as it does."""
+        st = self.fleet.get(key)
+        if st is None:
+            return
+        st.stale = rec.stale
+        if not adopt_parity(self.parity, key, rec):
+            return
+        if rec.state == TOKEN_KEYS:
+            self._translators.setdefault(key, KeyTranslator(self.parity.key_algo, self._lora_paths))
+        else:
+            self._translators.pop(key, None)
+        self.metrics.set_parity(str(key), rec.state)
+        log.info(
+            "hash parity from the ingesting replica instance=%s state=%s scheme=%s",
+            key,
+            rec.state,
+            rec.scheme.describe(),
+        )
 
     # -- the decision -------------------------------------------------------------------
 
@@ -331,10 +401,27 @@ class Router:
         bs = self.config.block_size
         candidates: list[Candidate] = []
         hashes: dict[InstanceKey, list[int]] = {}
-        for scheme, members in groups.items():
+        loads: dict[InstanceKey, Load] | None = None
+        found: list[dict[InstanceKey, Match]]
+        if self.shared is None:
+            found = [
+                self.index.match(hashes_by_scheme[sc], among=[st.key for st in members])
+                if hashes_by_scheme[sc]
+                else {}
+                for sc, members in groups.items()
+            ]
+        else:
+            # Shared index and load: one Redis round trip each, all at once; never raises
+            # (a degraded replica answers from its mirror and its own counts).
+            *found, loads = await asyncio.gather(
+                *(
+                    self.shared.match(hashes_by_scheme[sc], [st.key for st in members])
+                    for sc, members in groups.items()
+                ),
+                self.shared.load_view(),
+            )
+        for (scheme, members), matches in zip(groups.items(), found, strict=True):
             hs = hashes_by_scheme[scheme]
-            keys = [st.key for st in members]
-            matches = self.index.match(hs, among=keys) if hs else {}
             pend = self.pending.match(hs, now) if hs else {}
             ratio = scheme.block_size / bs
             for st in members:
@@ -345,14 +432,19 @@ class Router:
                 if ratio != 1:
                     blocks, tier, p = (int(x * ratio) for x in (blocks, tier, p))
                 hashes[st.key] = hs
+                if loads is None:
+                    in_flight, queued = st.in_flight, st.queued_tokens
+                else:
+                    ld = loads.get(st.key)
+                    in_flight, queued = (ld.in_flight, ld.queued_tokens) if ld else (0, 0)
                 candidates.append(
                     Candidate(
                         st.key,
                         blocks,
                         pending_blocks=p,
                         tier_blocks=max(tier, blocks),
-                        in_flight=st.in_flight,
-                        queued_tokens=st.queued_tokens,
+                        in_flight=in_flight,
+                        queued_tokens=queued,
                         healthy=True,
                         trusted=self.trusted(st.key),
                     )
@@ -403,6 +495,8 @@ class Router:
         hs = d.hashes.get(d.chosen)
         if hs and d.prefix_credit:
             self.pending.add(d.chosen, hs, time.monotonic())
+            if self.shared is not None:
+                self.shared.add_pending_soon(d.chosen, hs)
 
     def check_prediction(self, key: InstanceKey, d: RouteDecision, usage: dict | None) -> None:
         from router.proxy import cached_tokens_of
@@ -464,11 +558,14 @@ class Router:
         return out
 
     def index_summary(self) -> dict[str, Any]:
-        return {
+        out = {
             "index": self.index.stats(),
             "pending_entries": self.pending.count(),
             "instances": self.fleet_summary(),
         }
+        if self.shared is not None:
+            out["shared"] = self.shared.summary()  # "index" is then this replica's mirror
+        return out
 
     def _refresh_gauges(self) -> None:
         m = self.metrics
@@ -484,6 +581,10 @@ class Router:
             m.queued_tokens.labels(label).set(st.queued_tokens)
             m.index_blocks.labels(label).set(sum(self.index.instance_blocks(st.key).values()))
             m.set_parity(label, self.parity.state(st.key))
+        if self.shared is not None:
+            sh = self.shared
+            held = {str(st.key): sh.holds(st.key) for st in self.fleet.instances()}
+            m.set_shared(sh.state.metrics(), held, sh.lease_changes)
 
 
 def _first_seed(config: RouterConfig) -> str | None:

@@ -546,6 +546,63 @@ def test_sequencer_dedups_only_inside_the_replay_window():
     ]
 
 
+def test_sequencer_restart_inside_the_replay_window_is_not_a_duplicate():
+    # The publisher restarts before the live stream passed the initial replay's window: its
+    # new seq 1 falls inside [0, 3] but carries another payload, so it is a restart.
+    sq = Sequencer()
+    _run(sq.start(0), [_rep(0, 1, 2, 3)])
+    assert _run(sq.on_live(_live(1)), [])[0] == []  # same payload: the live copy, dropped
+    restarted = [(b"", 0, encode_batch(batch(50))), (b"", 1, encode_batch(batch(51)))]
+    items, asked = _run(sq.on_live(_live(1, i=51)), [restarted])
+    assert asked == [0]
+    assert [(i.kind, i.seq, i.replayed) for i in items] == [
+        ("restart", 1, False),
+        ("batch", 0, True),
+        ("batch", 1, False),
+    ]
+    assert items[1].batch == decode_batch(encode_batch(batch(50)))
+    assert sq.stats.restarts == 1 and sq.expect == 2
+
+
+def test_sequencer_seq_missing_from_the_replay_is_a_restart():
+    # Replay started late (0..4 evicted): a live seq 2 cannot be a queued copy of anything.
+    sq = Sequencer()
+    _run(sq.start(0), [_rep(5, 6)])
+    items, _ = _run(sq.on_live(_live(2)), [_rep(0, 1, 2)])
+    assert [(i.kind, i.seq) for i in items][0] == ("restart", 2)
+    assert sq.stats.restarts == 1
+
+
+def test_publisher_restart_inside_initial_replay_window(sub_factory):
+    """A late joiner replays 0..19; the publisher restarts and its seqs 0..k are live news."""
+    port, rport = free_port(), free_port()
+    p1 = ZmqEventPublisher(f"tcp://*:{port}", replay_endpoint=f"tcp://*:{rport}")
+    f1 = Feed(p1)
+    f1.send(20)
+    sub = sub_factory(
+        f"tcp://127.0.0.1:{port}", replay_endpoint=f"tcp://127.0.0.1:{rport}", from_seq=0
+    )
+    items = collect(sub, 19)
+    assert seqs(items) == [("batch", s, True) for s in range(20)]
+    p1.close()
+    p2 = ZmqEventPublisher(f"tcp://*:{port}", replay_endpoint=f"tcp://*:{rport}")
+    try:
+        f2 = Feed(p2)
+        f2.published = 100  # distinct payloads (ts) from the first run's
+        got: list[StreamItem] = []
+        end = time.monotonic() + DEADLINE_S
+        while time.monotonic() < end and not got:
+            f2.send()
+            it = sub.recv(timeout_s=0.05)
+            if it is not None:
+                got.append(it)
+        assert got and got[0].kind == "restart", seqs(got)
+        assert got[0].seq is not None and got[0].seq < 20  # inside the first replay's window
+        assert sub.stats.restarts == 1
+    finally:
+        p2.close()
+
+
 def test_sequencer_reports_every_hole():
     sq = Sequencer()
     _run(sq.on_live(_live(0)), [])
