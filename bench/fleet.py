@@ -289,6 +289,29 @@ async def engine_caches(session: aiohttp.ClientSession, engines: Sequence[Engine
     return list(await asyncio.gather(*(one(e) for e in engines)))
 
 
+async def router_decision_ms(session: aiohttp.ClientSession, url: str) -> dict[str, float]:
+    """Mean decision time per stage (tokenize, hash, match, choose, total) from /metrics."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    try:
+        async with session.get(url + "/metrics") as r:
+            text = await r.text()
+    except aiohttp.ClientError:
+        return {}
+    sums: dict[str, float] = {}
+    counts: dict[str, float] = {}
+    for fam in text_string_to_metric_families(text):
+        if fam.name != "router_decision_seconds":
+            continue
+        for s in fam.samples:
+            stage = s.labels.get("stage", "")
+            if s.name.endswith("_sum"):
+                sums[stage] = s.value
+            elif s.name.endswith("_count"):
+                counts[stage] = s.value
+    return {k: 1000 * v / counts[k] for k, v in sums.items() if counts.get(k)}
+
+
 async def reset_engines(session: aiohttp.ClientSession, engines: Sequence[Engine]) -> None:
     """Empty every prefix cache and wait until the engines say they are empty."""
     for e in engines:
@@ -588,7 +611,10 @@ async def run_workload(
             t = time.perf_counter()
             recs = await runner.run(target, args.rate, args.closed_loop)
             wall = time.perf_counter() - t
-            runs.append(PolicyRun(pol, recs, wall, meter.stop()))
+            cpu = meter.stop()
+            if target.router_url:
+                cpu["router_decision_ms"] = await router_decision_ms(session, target.router_url)
+            runs.append(PolicyRun(pol, recs, wall, cpu))
             ok = sum(1 for r in recs if r.status == 200 and r.error is None)
             print(f"  {name}/{pol}: {ok}/{len(recs)} ok in {wall:.1f} s", file=sys.stderr)
         finally:

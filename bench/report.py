@@ -199,9 +199,18 @@ def _verdict(rows: list[dict[str, Any]]) -> str:
             )
     o = by.get("oracle")
     if o:
+        gap = 100 * (o["hit_rate"] - p["hit_rate"])
         parts.append(
-            f"gap to the upper bound: {100 * (o['hit_rate'] - p['hit_rate']):+.1f} points of hit "
-            f"rate, TTFT p50 {_f(o['ttft_p50'])} ms"
+            f"upper bound {100 * o['hit_rate']:.1f} % hit rate ("
+            + (
+                f"router {gap:.1f} points below"
+                if gap > 0.05
+                else f"router {-gap:.1f} points above: same cost formula, different load "
+                "and eviction history"
+                if gap < -0.05
+                else "router equal"
+            )
+            + f"), TTFT p50 {_f(o['ttft_p50'])} ms vs {_f(p['ttft_p50'])} ms for the router"
         )
     return "Router (prefix): " + "; ".join(parts) + "." if parts else ""
 
@@ -215,6 +224,12 @@ def _cpu_line(rows: list[dict[str, Any]]) -> str:
         busy = c.get("machine_busy")
         cs = c.get("cpu_s", {})
         own = ", ".join(f"{k} {v:.1f}" for k, v in cs.items())
+        dec = c.get("router_decision_ms") or {}
+        if dec:
+            stages = ("tokenize", "hash", "match", "choose", "total")
+            own += "; router decision mean ms: " + ", ".join(
+                f"{k} {dec[k]:.2f}" for k in stages if k in dec
+            )
         bits.append(
             f"{POLICY_LABEL.get(s['policy'], s['policy'])}: machine "
             f"{_f(None if busy is None else 100 * busy, '{:.0f} %')} busy over "
@@ -317,6 +332,11 @@ def plot_workload(res: dict[str, Any], engines: int, img_dir: Path) -> list[Path
             ys = [(i + 1) / len(ttft) for i in range(len(ttft))]
             ax.step(ttft, ys, where="post", label=POLICY_LABEL.get(_policy(run), _policy(run)))
     ax.set_xscale("log")
+    from matplotlib.ticker import FuncFormatter, NullFormatter
+
+    ax.xaxis.set_major_formatter(FuncFormatter(lambda v, _: f"{v:g}"))
+    ax.xaxis.set_minor_formatter(NullFormatter())
+    ax.set_xticks([t for t in (5, 10, 20, 50, 100, 200, 500, 1000, 2000, 5000)])
     ax.set_xlabel("time to first token, ms (log)")
     ax.set_ylabel("fraction of requests")
     ax.set_title(f"TTFT CDF: {w}")

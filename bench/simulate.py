@@ -193,6 +193,9 @@ def simulate(
         index.store(keys[i], hs)
     fill_s = time.perf_counter() - t_fill
     gc.collect()
+    # The simulator's own millions of long-lived objects (LRU pools) would make every full GC
+    # pass slow and land in the decision times; freeze them, as a long-running router could.
+    gc.freeze()
     stats = index.stats()
     policy = Policy(seed=seed)
     load = LoadModel(engines)
@@ -251,6 +254,7 @@ def simulate(
             ttft.append(t_first)
             rr_ttft.append(rr_first)
     after = index.stats()
+    gc.unfreeze()
     dec = [a + b for a, b in zip(match_s, choose_s, strict=True)]
     return {
         "engines": engines,

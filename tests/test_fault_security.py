@@ -34,7 +34,7 @@ class EchoEngine:
     def __init__(self) -> None:
         self.seen: list[tuple[dict[str, str], bytes]] = []
         app = web.Application()
-        app.router.add_get("/health", lambda r: web.json_response({}))
+        app.router.add_get("/health", self._health)
         app.router.add_post("/v1/chat/completions", self._chat)
         self.runner = web.AppRunner(app, access_log=None)
         self.url = ""
@@ -45,6 +45,9 @@ class EchoEngine:
         await web.TCPSite(self.runner, "127.0.0.1", port).start()
         self.url = f"http://127.0.0.1:{port}"
         return self
+
+    async def _health(self, request: web.Request) -> web.Response:
+        return web.json_response({})
 
     async def _chat(self, request: web.Request) -> web.StreamResponse:
         raw = await request.read()

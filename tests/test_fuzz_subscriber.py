@@ -74,13 +74,14 @@ def test_decode_random_bytes_raises_only_codec_error(payload):
     assert b is None or isinstance(b, KVEventBatch)
 
 
-@settings(max_examples=400, deadline=None)
+@settings(max_examples=250, deadline=None)
 @given(_batch_like)
 def test_decode_msgpack_shapes_raises_only_codec_error(obj):
     payload = msgpack.packb(obj, use_bin_type=True)
     b = _only_codec_error(payload)
-    if b is not None:  # what decodes must round-trip to the same batch
-        assert decode_batch(encode_batch(b)) == b
+    if b is not None:  # what decodes must round-trip (compared as bytes: NaN != NaN)
+        once = encode_batch(b)
+        assert encode_batch(decode_batch(once)) == once
 
 
 def _stored(hashes: list[int], parent: int | None) -> BlockStored:

@@ -569,7 +569,7 @@ def test_sequencer_seq_missing_from_the_replay_is_a_restart():
     sq = Sequencer()
     _run(sq.start(0), [_rep(5, 6)])
     items, _ = _run(sq.on_live(_live(2)), [_rep(0, 1, 2)])
-    assert [(i.kind, i.seq) for i in items][0] == ("restart", 2)
+    assert (items[0].kind, items[0].seq) == ("restart", 2)
     assert sq.stats.restarts == 1
 
 

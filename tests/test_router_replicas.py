@@ -23,7 +23,7 @@ import openai
 import pytest
 from aiohttp import web
 from conftest import free_port
-from redis_server import redis_server  # noqa: F401  (fixture)
+from redis_server import RedisServer, redis_server  # noqa: F401  (fixture)
 from router_harness import MODEL, ShimSlot, chat_body, long_text, new_slot, wait_for
 
 from router.config import RouterConfig
@@ -169,23 +169,12 @@ async def run_sequence(replicas: list[Replica], slots: list[ShimSlot], settled) 
     return out
 
 
-async def reset_engines(slots: list[ShimSlot]) -> None:
-    async with aiohttp.ClientSession() as s:
-        for slot in slots:
-            async with s.post(slot.url + "/reset_prefix_cache") as r:
-                assert (await r.json())["success"]
-        for slot in slots:
-            await wait_for(lambda sl=slot: _empty(s, sl), 5, "engine cache reset")
-
-
-async def _empty(s: aiohttp.ClientSession, slot: ShimSlot) -> bool:
-    return not await engine_truth(s, slot)
-
-
 # ---------------------------------------------------------------------------------- tests
 
 
 async def test_two_and_three_replicas_decide_like_one(tokenizer, redis_server):  # noqa: F811
+    # Fresh engines for each run: with the same engines a new router would replay the earlier
+    # runs' events, which are these very requests, and see future prefixes mid-replay.
     slots = await start_shims(tokenizer)
     try:
         one = await start_replica(tokenizer, slots, "memory")
@@ -195,30 +184,29 @@ async def test_two_and_three_replicas_decide_like_one(tokenizer, redis_server): 
 
         ref = await run_sequence([one], slots, one_settled)
         await one.stop()
-        assert len({i for i, _ in ref}) >= 3  # the tie-break spread the new prefixes
-        assert sum(1 for _, hit in ref if hit) >= 6  # and repeats found their prefix
-
-        for n in (2, 3):
-            await reset_engines(slots)
-            url = redis_server.url + f"?ns=r{n}"
-            index = RedisIndex(url)
-            reps = [await start_replica(tokenizer, slots, url) for _ in range(n)]
-
-            async def settled(index=index, reps=reps) -> bool:
-                return await redis_matches_engines(index, slots) and await quiet(reps)
-
-            try:
-                got = await run_sequence(reps, slots, settled)
-                assert got == ref, f"{n} replicas decided differently from one"
-                print(f"\n{n} replicas: {len(got)} decisions equal to one router's: {got}")
-                held = [len(r.router.shared.leases.held) for r in reps]
-                assert sum(held) == 4  # every stream ingested exactly once
-            finally:
-                for r in reps:
-                    await r.stop()
-                index.state.sync.close()
     finally:
         await stop_all([], slots)
+    assert len({i for i, _ in ref}) >= 3  # the tie-break spread the new prefixes
+    assert sum(1 for _, hit in ref if hit) >= 6  # and repeats found their prefix
+
+    for n in (2, 3):
+        slots = await start_shims(tokenizer)
+        url = redis_server.url + f"?ns=r{n}"
+        index = RedisIndex(url)
+        reps = [await start_replica(tokenizer, slots, url) for _ in range(n)]
+
+        async def settled(index=index, reps=reps, slots=slots) -> bool:
+            return await redis_matches_engines(index, slots) and await quiet(reps)
+
+        try:
+            got = await run_sequence(reps, slots, settled)
+            assert got == ref, f"{n} replicas decided differently from one"
+            print(f"\n{n} replicas: {len(got)} decisions equal to one router's: {got}")
+            held = [len(r.router.shared.leases.held) for r in reps]
+            assert sum(held) == 4  # every stream ingested exactly once
+        finally:
+            await stop_all(reps, slots)
+            index.state.sync.close()
 
 
 async def test_killed_ingester_hands_over_and_loses_no_batch(tokenizer, redis_server):  # noqa: F811
@@ -429,3 +417,59 @@ async def test_pending_blocks_are_shared(tokenizer, redis_server):  # noqa: F811
         assert all(v["matched_blocks"] == 0 for k, v in others.items() if k != str(d.chosen))
     finally:
         await stop_all(reps, slots)
+
+
+async def test_lost_lease_fences_ingest_and_successor_resumes(tokenizer, redis_server):  # noqa: F811
+    """A replica whose lease went elsewhere (say it was paused past the TTL) applies nothing
+    more; whoever holds the lease next resumes from the seq in Redis and loses no batch."""
+    slots = await start_shims(tokenizer)
+    url = redis_server.url
+    index = RedisIndex(url)
+    state = RedisState(url)
+    reps = [await start_replica(tokenizer, slots, url) for _ in range(2)]
+    a = max(reps, key=lambda r: len(r.router.shared.leases.held))
+    try:
+        await chat(a, PREFIXES[0], "warm")
+        await wait_for(lambda: redis_matches_engines(index, slots), 10, "redis index")
+        # the lease of every instance now belongs to someone else
+        for s in slots:
+            await state.client.set(lease_key(state, key_of(s)), "intruder", px=60_000)
+        for n in range(4):
+            await chat(reps[n % 2], long_text(400 + n, 90), "while fenced")
+        await wait_for(lambda: not a.router.ingest.running(), 5, "ingest to stop")
+        changes = a.router.shared.lease_changes
+        assert sum(v for (_, c), v in changes.items() if c in ("fenced", "lost")) >= 4
+        assert not await redis_matches_engines(index, slots)  # nobody applied those batches
+        for s in slots:  # the intruder dies: its leases expire at once
+            await state.client.delete(lease_key(state, key_of(s)))
+        await wait_for(
+            lambda: sum(len(r.router.shared.leases.held) for r in reps) == 4, 5, "new holders"
+        )
+        await wait_for(lambda: redis_matches_engines(index, slots), 10, "resumed, none lost")
+    finally:
+        await stop_all(reps, slots)
+        await state.aclose()
+        index.state.sync.close()
+
+
+async def test_replica_started_while_redis_is_down(tokenizer):
+    """Redis down at start: requests are served on load alone; once Redis answers the
+    replica takes the leases and fills the shared index."""
+    srv = RedisServer()
+    slots = await start_shims(tokenizer)
+    index = RedisIndex(srv.url)
+    rep = await start_replica(tokenizer, slots, srv.url)
+    try:
+        assert rep.router.shared.state.degraded
+        for n in range(3):
+            await chat(rep, PREFIXES[n], "down")  # no failure
+        srv.start()
+        await wait_for(lambda: len(rep.router.shared.leases.held) == 4, 10, "leases")
+        assert await metric(rep, "router_redis_degraded") == 0.0
+        await wait_for(lambda: redis_matches_engines(index, slots), 10, "redis index")
+        _, predicted, cached = await chat(rep, PREFIXES[1], "up")
+        assert predicted > 100 and cached == predicted
+    finally:
+        await stop_all([rep], slots)
+        index.state.sync.close()
+        srv.close()
