@@ -327,6 +327,19 @@ class ParityTracker:
     def forget(self, inst: InstanceKey) -> None:
         self._insts.pop(inst, None)
 
+    def adopt(self, inst: InstanceKey, state: str, scheme: HashScheme, message: str = "") -> bool:
+        """Take a verdict reached elsewhere (the replica that ingests this instance); True if
+        it changed anything. Router replicas that do not ingest an instance learn its scheme
+        this way instead of each re-running detection."""
+        st = self._get(inst)
+        if st.state == state and st.scheme == scheme:
+            return False
+        st.state = state
+        st.scheme = scheme
+        st.message = message
+        st.scan_event = None
+        return True
+
     def observe(self, inst: InstanceKey, ev: BlockStored) -> ParityVerdict | None:
         """Check one BlockStored; None when it cannot be checked (parent set, other group,
         LoRA path unknown, ...) or the instance already uses token-derived keys."""

@@ -97,18 +97,8 @@ class ParityRecord:
 
 
 def adopt_parity(tracker: Any, inst: InstanceKey, rec: ParityRecord) -> bool:
-    """Make ``tracker`` (a ParityTracker) say what the ingester says; True if it changed.
-
-    ParityTracker has no setter for a verdict reached elsewhere, so this sets its per-instance
-    record directly (the one place that does)."""
-    if tracker.state(inst) == rec.state and tracker.scheme(inst) == rec.scheme:
-        return False
-    st = tracker._get(inst)
-    st.state = rec.state
-    st.scheme = rec.scheme
-    st.message = rec.message
-    st.scan_event = None
-    return True
+    """Make ``tracker`` (a ParityTracker) say what the ingester says; True if it changed."""
+    return tracker.adopt(inst, rec.state, rec.scheme, rec.message)
 
 
 # ---------------------------------------------------------------------------- load
