@@ -411,13 +411,17 @@ class ShimServer:
             return {**base, "choices": [c]}
 
         detok = IncrementalDetokenizer(self.tokenizer)
-        if chat:
-            await send(chunk("", None, first=True))
+        # Like vLLM, the role chunk goes out with the first engine output (after prefill),
+        # so a client measuring TTFT from the first chunk measures the prefill.
+        role_sent = not chat
         n_out = cached = 0
         while True:
             item = await queue.get()
             if is_aborted(item):
                 break
+            if not role_sent:
+                await send(chunk("", None, first=True))
+                role_sent = True
             n_out += len(item.new_token_ids)
             cached = item.num_cached_tokens
             delta = detok.add(item.new_token_ids)
