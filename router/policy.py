@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import math
 import random
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from .instance import InstanceKey
@@ -55,9 +56,22 @@ class Candidate:
 
 @dataclass(slots=True)
 class Decision:
+    """The choice, and (built only when asked, e.g. by /debug/route) why.
+
+    Explaining every instance on every request costs more than choosing at fleet sizes in
+    the hundreds, so the per-instance records are made on first access of ``scores``.
+    """
+
     chosen: InstanceKey
     predicted_hit_tokens: int
-    scores: list[dict] = field(default_factory=list)
+    _explain: Callable[[], list[dict]] | None = field(default=None, repr=False)
+    _scores: list[dict] | None = field(default=None, repr=False)
+
+    @property
+    def scores(self) -> list[dict]:
+        if self._scores is None:
+            self._scores = self._explain() if self._explain is not None else []
+        return self._scores
 
 
 class Policy:
@@ -118,12 +132,33 @@ class Policy:
             }
             if len(capped) == len(healthy):
                 capped = set()
-        scores: list[dict] = []
         costs: list[tuple[float, Candidate, float]] = []
+        rows: list[tuple[Candidate, float, float, float]] = []
+        lw = self.load_weight
+        ift = self.in_flight_tokens
         for c in candidates:
             hit = self.hit_tokens(c, prompt_tokens, block_size, prefix_credit)
-            load = c.queued_tokens + self.in_flight_tokens * c.in_flight
-            cost = (prompt_tokens - hit) + self.load_weight * load
+            load = c.queued_tokens + ift * c.in_flight
+            cost = (prompt_tokens - hit) + lw * load
+            rows.append((c, hit, load, cost))
+            if c.healthy and c.inst not in capped:
+                costs.append((cost, c, hit))
+        _chosen_cost, chosen, hit = self._pick(costs)
+        return Decision(
+            chosen=chosen.inst,
+            predicted_hit_tokens=int(hit),
+            _explain=lambda: self._explain(rows, capped, prefix_credit, chosen.inst),
+        )
+
+    def _explain(
+        self,
+        rows: list[tuple[Candidate, float, float, float]],
+        capped: set[InstanceKey],
+        prefix_credit: bool,
+        chosen: InstanceKey,
+    ) -> list[dict]:
+        scores: list[dict] = []
+        for c, hit, load, cost in rows:
             if not c.healthy:
                 why = "unhealthy"
             elif c.inst in capped:
@@ -134,6 +169,8 @@ class Policy:
                 why = "request cannot use the prefix cache: no prefix credit"
             else:
                 why = "candidate"
+            if c.inst == chosen:
+                why = "chosen" + ("" if why == "candidate" else f" ({why})")
             scores.append(
                 {
                     "instance": str(c.inst),
@@ -150,13 +187,7 @@ class Policy:
                     "why": why,
                 }
             )
-            if c.healthy and c.inst not in capped:
-                costs.append((cost, c, hit))
-        _chosen_cost, chosen, hit = self._pick(costs)
-        for s in scores:
-            if s["instance"] == str(chosen.inst):
-                s["why"] = "chosen" + ("" if s["why"] == "candidate" else f" ({s['why']})")
-        return Decision(chosen=chosen.inst, predicted_hit_tokens=int(hit), scores=scores)
+        return scores
 
     def _pick(self, costs: list[tuple[float, Candidate, float]]) -> tuple[float, Candidate, float]:
         best = min(c for c, _, _ in costs)

@@ -258,7 +258,7 @@ class RouteDecision:
     block_size: int
     prefix_credit: bool
     candidates: list[Any]
-    scores: dict[Any, Any]
+    decision: Any  # router.policy.Decision; its per-instance scores are built on demand
     hashes: dict[InstanceKey, list[int]]
     timings: dict[str, float] = field(default_factory=dict)
     scheme: dict[InstanceKey, str] = field(default_factory=dict)

@@ -472,7 +472,7 @@ class Router:
             block_size=bs,
             prefix_credit=credit,
             candidates=candidates,
-            scores={s["instance"]: s for s in d.scores},
+            decision=d,
             hashes=hashes,
             timings=timings,
             scheme={k: self.scheme_of(k).describe() for k in hashes},
@@ -517,8 +517,9 @@ class Router:
     def explain(self, d: RouteDecision) -> dict[str, Any]:
         st = self.fleet.get(d.chosen)
         insts = []
+        scores = {s["instance"]: s for s in d.decision.scores}
         for c in d.candidates:
-            s = dict(d.scores.get(str(c.inst), {}))
+            s = dict(scores.get(str(c.inst), {}))
             ist = self.fleet.get(c.inst)
             s.update(
                 {
