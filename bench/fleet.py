@@ -232,7 +232,7 @@ def start_engines(procs: Processes, args: argparse.Namespace, logdir: Path) -> l
             "--kv-events-config", json.dumps(kv), "--num-gpu-blocks", str(args.gpu_blocks),
             "--block-size", str(BLOCK_SIZE), "--max-model-len", str(args.max_model_len),
             "--prefix-caching-hash-algo", HASH_ALGO, "--time-scale", str(args.time_scale),
-            "--served-model-name", MODEL, "--seed", str(i),
+            "--served-model-name", MODEL, "--seed", str(i), "--backend", args.backend,
         ]  # fmt: skip
         p = procs.start(cmd, _env(), logdir / f"engine-{i}.log")
         out.append(
@@ -706,6 +706,12 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--time-scale", type=float, default=1.0, help="engines' GPU cost model scale")
     ap.add_argument("--gpu-blocks", type=int, default=400, help="KV blocks per engine (16 tok)")
+    ap.add_argument(
+        "--backend",
+        choices=("sim", "torch"),
+        default="sim",
+        help="engines' compute: simulated cost model, or SmolLM2-135M on the CPU (slow: 1-2 engines)",
+    )
     ap.add_argument("--max-model-len", type=int, default=4096)
     ap.add_argument("--max-tokens", type=int, default=16, help="output tokens per request")
     ap.add_argument("--max-input", type=int, default=3500, help="cut Mooncake prompts (tokens)")
