@@ -93,10 +93,31 @@ async def proxy_bench(args: argparse.Namespace, procs: Processes) -> dict:
     await wait_ready(router_url, "/ready", 60, router)
     out: dict = {}
     for name, url in (("engine", engine_url), ("router", router_url)):
+        c0 = process_cpu_s(router.pid)
         rps, _ = await load(url, args.requests, 20)
+        c1 = process_cpu_s(router.pid)
         _, lat = await load(url, args.requests // 4, 1)
+        c2 = process_cpu_s(router.pid)
         out[name] = {"rps_20": rps, "p50_1_ms": statistics.median(lat) * 1000}
+        if name == "router" and None not in (c0, c1, c2):
+            # 50 warm-up requests precede each timed run (see ``load``)
+            out[name]["cpu_us_20"] = (c1 - c0) / (args.requests + 50) * 1e6
+            out[name]["cpu_us_1"] = (c2 - c1) / (args.requests // 4 + 50) * 1e6
     return out
+
+
+def process_cpu_s(pid: int) -> float | None:
+    """User + system CPU seconds of a process (Linux /proc), or None where unavailable.
+
+    The router's requests/s on a shared machine depends on what the load generator and the
+    engine leave it; its CPU time per request does not, so that is the figure to compare.
+    """
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            fields = f.read().rsplit(")", 1)[1].split()
+        return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+    except (OSError, IndexError, ValueError):
+        return None
 
 
 async def decision_bench(args: argparse.Namespace) -> dict:
@@ -218,6 +239,11 @@ def main(argv: list[str] | None = None) -> int:
         f"{'p50 ms, 1 concurrent':<22}{e['p50_1_ms']:>18.2f}{r['p50_1_ms']:>16.2f}{r['p50_1_ms'] / e['p50_1_ms']:>8.2f}"
     )
     print(f"added p50 latency: {r['p50_1_ms'] - e['p50_1_ms']:.2f} ms")
+    if "cpu_us_20" in r:
+        print(
+            f"router CPU per request: {r['cpu_us_20']:.0f} us at 20 concurrent, "
+            f"{r['cpu_us_1']:.0f} us at 1 concurrent"
+        )
 
     print("\n== decision time by stage, median us (16 instances, chat prompt)")
     dec = asyncio.run(decision_bench(args))

@@ -9,6 +9,7 @@ being pushed on every change, which keeps the request and event paths free of bo
 from __future__ import annotations
 
 from collections.abc import Callable
+from typing import Any
 
 from prometheus_client import (
     CONTENT_TYPE_LATEST,
@@ -43,6 +44,35 @@ ERROR_BUCKETS = (-4096, -1024, -256, -64, -16, -1, 0, 16, 64, 256, 1024, 4096)
 PARITY_STATES = _PARITY_STATES
 
 CONTENT_TYPE = CONTENT_TYPE_LATEST
+DECISION_STAGES = ("tokenize", "hash", "match", "choose", "total")
+
+
+class InstanceSeries:
+    """One instance's request-path series, looked up once instead of per request.
+
+    ``Metric.labels()`` validates and joins its label values under a lock on every call,
+    which costs several microseconds; the request path touches five of these series per
+    request. Only counters and histograms are held here: they are never removed, so a held
+    child cannot go stale (gauges are, by ``forget_instance``, and are not cached).
+    """
+
+    __slots__ = ("_outcomes", "_requests", "actual", "error", "predicted", "prompt_tokens")
+
+    def __init__(self, m: RouterMetrics, instance: str) -> None:
+        self.predicted = m.predicted_hit_tokens.labels(instance)
+        self.actual = m.actual_hit_tokens.labels(instance)
+        self.prompt_tokens = m.prompt_tokens.labels(instance)
+        self.error = m.prediction_error.labels(instance)
+        self._requests = (m.requests, instance)
+        self._outcomes: dict[str, Any] = {}
+
+    def outcome(self, outcome: str) -> Any:
+        """The ``router_requests`` child for this instance and ``outcome``."""
+        c = self._outcomes.get(outcome)
+        if c is None:
+            metric, instance = self._requests
+            c = self._outcomes[outcome] = metric.labels(instance, outcome)
+        return c
 
 
 class RouterMetrics:
@@ -198,6 +228,21 @@ class RouterMetrics:
             registry=r,
         )
         self._seen: dict[tuple, float] = {}
+        self.stage_seconds = {st: self.decision_seconds.labels(st) for st in DECISION_STAGES}
+        self._instances: dict[str, InstanceSeries] = {}
+
+    def instance(self, instance: str) -> InstanceSeries:
+        """The cached request-path series of one instance (label ``str(InstanceKey)``)."""
+        s = self._instances.get(instance)
+        if s is None:
+            s = self._instances[instance] = InstanceSeries(self, instance)
+        return s
+
+    def observe_stage(self, stage: str, seconds: float) -> None:
+        child = self.stage_seconds.get(stage)
+        if child is None:
+            child = self.stage_seconds[stage] = self.decision_seconds.labels(stage)
+        child.observe(seconds)
 
     def on_scrape(self, fn: Callable[[], None]) -> None:
         self._refreshers.append(fn)

@@ -8,6 +8,7 @@ signal; tests use ``Router.start()`` / ``stop()`` with an ``aiohttp.web.AppRunne
 from __future__ import annotations
 
 import asyncio
+import gc
 import logging
 import signal
 import time
@@ -135,8 +136,14 @@ class Router:
         timeout = aiohttp.ClientTimeout(
             total=None, connect=cfg.connect_timeout_s, sock_read=cfg.request_timeout_s
         )
+        # No cookie jar: a jar would store an engine's Set-Cookie and attach it to every
+        # other client's requests (and filter cookies per request for nothing); clients'
+        # own Cookie headers still pass through with their other headers.
         self.session = aiohttp.ClientSession(
-            connector=connector, timeout=timeout, auto_decompress=False
+            connector=connector,
+            timeout=timeout,
+            auto_decompress=False,
+            cookie_jar=aiohttp.DummyCookieJar(),
         )
         self._started = True
         for spec in cfg.engines or []:
@@ -371,7 +378,7 @@ class Router:
         self, body: dict, kind: str, exclude: set[InstanceKey] | None = None
     ) -> RouteDecision:
         """Tokenize, hash with each instance's scheme, match, choose (timed per stage)."""
-        m = self.metrics.decision_seconds
+        m = self.metrics
         t0 = time.perf_counter()
         try:
             salt = validate_cache_salt(body.get("cache_salt"))
@@ -464,7 +471,7 @@ class Router:
             "total": t4 - t0,
         }
         for stage, v in timings.items():
-            m.labels(stage).observe(v)
+            m.observe_stage(stage, v)
         return RouteDecision(
             chosen=d.chosen,
             predicted_hit_tokens=d.predicted_hit_tokens,
@@ -475,7 +482,7 @@ class Router:
             decision=d,
             hashes=hashes,
             timings=timings,
-            scheme={k: self.scheme_of(k).describe() for k in hashes},
+            scheme={st.key: sc for sc, members in groups.items() for st in members},
         )
 
     def _lora_of(self, model: Any) -> LoRA | None:
@@ -501,16 +508,16 @@ class Router:
     def check_prediction(self, key: InstanceKey, d: RouteDecision, usage: dict | None) -> None:
         from router.proxy import cached_tokens_of
 
-        label = str(key)
-        self.metrics.predicted_hit_tokens.labels(label).inc(d.predicted_hit_tokens)
+        series = self.metrics.instance(str(key))
+        series.predicted.inc(d.predicted_hit_tokens)
         actual = cached_tokens_of(usage)
         if actual is None:
             return
-        self.metrics.actual_hit_tokens.labels(label).inc(actual)
+        series.actual.inc(actual)
         pt = usage.get("prompt_tokens") if usage else None
         if isinstance(pt, int):
-            self.metrics.prompt_tokens.labels(label).inc(pt)
-        self.metrics.prediction_error.labels(label).observe(d.predicted_hit_tokens - actual)
+            series.prompt_tokens.inc(pt)
+        series.error.observe(d.predicted_hit_tokens - actual)
 
     # -- introspection ------------------------------------------------------------------
 
@@ -527,7 +534,7 @@ class Router:
                     "rank": c.inst.rank,
                     "stale": bool(ist and ist.stale),
                     "parity": self.parity.state(c.inst),
-                    "scheme": d.scheme.get(c.inst),
+                    "scheme": _describe(d.scheme.get(c.inst)),
                 }
             )
             insts.append(s)
@@ -586,6 +593,11 @@ class Router:
             sh = self.shared
             held = {str(st.key): sh.holds(st.key) for st in self.fleet.instances()}
             m.set_shared(sh.state.metrics(), held, sh.lease_changes)
+
+
+def _describe(scheme: HashScheme | str | None) -> str | None:
+    """A decision keeps its schemes as objects; they are described only when explained."""
+    return scheme.describe() if isinstance(scheme, HashScheme) else scheme
 
 
 def _first_seed(config: RouterConfig) -> str | None:
@@ -654,6 +666,11 @@ async def run_router(
         config.port,
         len(router.fleet.instances()),
     )
+    # Everything alive now (tokenizer, transformers, torch: ~350k objects) lives as long as
+    # the process. Frozen, the cyclic GC stops re-scanning it: an oldest-generation
+    # collection otherwise takes ~0.1 s, a stall on every request in flight at the time.
+    gc.collect()
+    gc.freeze()
     print(f"prefix-router ready on http://{config.host}:{config.port}", flush=True)
     if ready is not None:
         ready.set()
