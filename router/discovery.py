@@ -21,6 +21,7 @@ from urllib.parse import parse_qs, urlsplit
 
 from router.fleet import Fleet
 from router.instance import EngineSpec
+from router.tasks import cancel_and_wait
 
 log = logging.getLogger("router.discovery")
 
@@ -126,13 +127,8 @@ class DnsDiscovery:
             self._task = asyncio.create_task(self._run(), name="dns-discovery")
 
     async def stop(self) -> None:
-        if self._task is not None:
-            self._task.cancel()
-            try:
-                await self._task
-            except (asyncio.CancelledError, Exception):
-                pass
-            self._task = None
+        await cancel_and_wait(self._task)
+        self._task = None
 
     async def _run(self) -> None:
         while True:

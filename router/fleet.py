@@ -17,6 +17,7 @@ from dataclasses import dataclass, field
 import aiohttp
 
 from router.instance import EngineSpec, InstanceKey
+from router.tasks import cancel_and_wait
 
 log = logging.getLogger("router.fleet")
 
@@ -257,13 +258,8 @@ class HealthChecker:
         self._wake.set()
 
     async def stop(self) -> None:
-        if self._task is not None:
-            self._task.cancel()
-            try:
-                await self._task
-            except (asyncio.CancelledError, Exception):
-                pass
-            self._task = None
+        await cancel_and_wait(self._task)
+        self._task = None
 
     async def check_all(self) -> None:
         specs = self.fleet.engines()

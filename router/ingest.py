@@ -37,6 +37,7 @@ from events.subscriber import AsyncEventSubscriber, StreamItem
 from router.fleet import Fleet, InstanceState
 from router.instance import InstanceKey
 from router.metrics import RouterMetrics
+from router.tasks import cancel_and_wait
 
 log = logging.getLogger("router.ingest")
 
@@ -261,12 +262,7 @@ class Ingest:
     async def stop(self, key: InstanceKey) -> None:
         task = self._tasks.pop(key, None)
         sub = self._subs.pop(key, None)
-        if task is not None:
-            task.cancel()
-            try:
-                await task
-            except (asyncio.CancelledError, Exception):
-                pass
+        await cancel_and_wait(task)
         if sub is not None:
             sub.close()
 

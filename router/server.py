@@ -44,6 +44,7 @@ from router.prompt import (
 from router.proxy import RouteDecision
 from router.redis_load import Load
 from router.shared import Hooks, ParityRecord, SharedRuntime, adopt_parity
+from router.tasks import cancel_and_wait
 
 log = logging.getLogger("router.server")
 
@@ -166,12 +167,7 @@ class Router:
             await self.shared.start()
 
     async def stop(self) -> None:
-        if self._expire_task is not None:
-            self._expire_task.cancel()
-            try:
-                await self._expire_task
-            except asyncio.CancelledError:
-                pass
+        await cancel_and_wait(self._expire_task)
         if self.discovery is not None:
             await self.discovery.stop()
         if self.health is not None:
