@@ -2,7 +2,7 @@
 
     python -m bench.fleet --workload chat --engines 4 \\
         --policy prefix,round_robin,least_loaded,prefix_no_pending,oracle [--quick] \\
-        [--rate R | --closed-loop C] [--report docs/benchmarks-fleet.md]
+        [--rate R | --closed-loop C] [--report docs/benchmarks.md]
 
 K engine shims run as subprocesses (real HTTP, real KV events, a GPU cost model in real time
 by default, small KV pools so that eviction matters). For each policy the engines' prefix

@@ -4,7 +4,7 @@ The report file holds generated sections between markers (``<!-- fleet:begin -->
 ``<!-- fleet:end -->``, ``<!-- simulate:begin -->`` ...), so each command rewrites only its
 own part and hand-written text around them survives.
 
-    python -m bench.report --results /tmp/bench-fleet/results.json --report docs/benchmarks-fleet.md
+    python -m bench.report --results /tmp/bench-fleet/results.json --report docs/benchmarks.md
 """
 
 from __future__ import annotations

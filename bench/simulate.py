@@ -1,7 +1,7 @@
 """Scale on paper: the router's index and policy driven directly, up to 1,000 engines.
 
     python -m bench.simulate [--engines 10,100,1000] [--blocks-per-engine 2048] [--quick]
-                             [--report docs/benchmarks-fleet.md]
+                             [--report docs/benchmarks.md]
 
 No HTTP, no sockets: each simulated engine is an LRU pool of a fixed number of 16-token
 blocks; serving a request touches its cached prefix, stores its missing blocks and evicts the

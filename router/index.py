@@ -1,6 +1,6 @@
 """Which instance holds which block: the live map built from KV events (design §3.1-§3.4).
 
-Layout, chosen for memory and for the match walk (docs/benchmarks-router-core.md):
+Layout, chosen for memory and for the match walk (docs/benchmarks.md, section 3):
 
 * Each instance gets a small integer id and a one-bit mask ``1 << id``.
 * Per medium ("GPU", "CPU", ...) a ``_Tier`` keeps ``holders: dict[hash, mask]``: one dict
