@@ -281,6 +281,13 @@ class DemoStream:
         self.cached: dict[int, None] = {}  # insertion-ordered: oldest first (LRU)
 
     def step(self) -> KVEventBatch:
+        """The next batch; like vLLM, a step that changed nothing publishes nothing."""
+        while True:
+            batch = self._step()
+            if batch.events:
+                return batch
+
+    def _step(self) -> KVEventBatch:
         rng = self.rng
         events: list[Any] = []
         if rng.random() < 0.01:
