@@ -17,11 +17,9 @@ from typing import Any
 
 from aiohttp import web
 from conftest import free_port
-from router_harness import MODEL, ShimSlot
+from router_harness import ShimSlot
 
-from engine_shim.engine import EngineConfig
 from engine_shim.runner import RunningShim, start_shim
-from engine_shim.server import KVEventsConfig, ShimConfig
 from router.config import RouterConfig
 from router.instance import EngineSpec
 from router.server import Router, build_app
@@ -131,29 +129,7 @@ class FaultSlot(ShimSlot):
         eng: dict[str, Any] = {}
         if self.max_num_seqs is not None:
             eng["max_num_seqs"] = self.max_num_seqs
-        cfg = ShimConfig(
-            host="127.0.0.1",
-            port=self.http_port,
-            engine=EngineConfig(
-                num_gpu_blocks=self.num_gpu_blocks,
-                block_size=16,
-                hash_algo=self.hash_algo,
-                hash_seed=self.hash_seed,
-                time_scale=self.time_scale,
-                max_model_len=4096,
-                **eng,
-            ),
-            served_model_name=MODEL,
-            kv_events=KVEventsConfig(
-                enable_kv_cache_events=True,
-                endpoint=f"tcp://*:{self.events_port}",
-                replay_endpoint=f"tcp://*:{self.replay_port}",
-                **self.kv,
-            ),
-            data_parallel_size=self.dp,
-            dev_mode=True,
-        )
-        self.shim = await start_shim(cfg, tokenizer=tokenizer)
+        self.shim = await start_shim(self.shim_config(eng, self.kv), tokenizer=tokenizer)
         return self.shim
 
 

@@ -63,8 +63,11 @@ class ShimSlot:
             dp=self.dp,
         )
 
-    async def start(self, tokenizer: Any) -> RunningShim:
-        cfg = ShimConfig(
+    def shim_config(
+        self, engine_extra: dict[str, Any] | None = None, kv_extra: dict[str, Any] | None = None
+    ) -> ShimConfig:
+        """The shim's config; subclasses add engine or publisher settings through the extras."""
+        return ShimConfig(
             host="127.0.0.1",
             port=self.http_port,
             engine=EngineConfig(
@@ -74,17 +77,21 @@ class ShimSlot:
                 hash_seed=self.hash_seed,
                 time_scale=self.time_scale,
                 max_model_len=4096,
+                **(engine_extra or {}),
             ),
             served_model_name=MODEL,
             kv_events=KVEventsConfig(
                 enable_kv_cache_events=True,
                 endpoint=f"tcp://*:{self.events_port}",
                 replay_endpoint=f"tcp://*:{self.replay_port}",
+                **(kv_extra or {}),
             ),
             data_parallel_size=self.dp,
             dev_mode=True,
         )
-        self.shim = await start_shim(cfg, tokenizer=tokenizer)
+
+    async def start(self, tokenizer: Any) -> RunningShim:
+        self.shim = await start_shim(self.shim_config(), tokenizer=tokenizer)
         return self.shim
 
     async def stop(self) -> None:
