@@ -17,7 +17,6 @@ import argparse
 import asyncio
 import json
 import os
-import socket
 import statistics
 import subprocess
 import sys
@@ -25,6 +24,8 @@ import time
 from pathlib import Path
 
 import aiohttp
+
+from events.endpoints import free_tcp_port as free_port
 
 CANNED = {
     "id": "cmpl-floor",
@@ -34,12 +35,6 @@ CANNED = {
     "choices": [{"index": 0, "text": " a b c d", "finish_reason": "length", "logprobs": None}],
     "usage": {"prompt_tokens": 10, "completion_tokens": 4, "total_tokens": 14},
 }
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def floor_server(port: int) -> None:

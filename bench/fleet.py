@@ -24,7 +24,6 @@ import contextlib
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -44,6 +43,7 @@ from bench.policies import (
     LoadBook,
     make_client_policy,
 )
+from events.endpoints import free_tcp_port as free_port
 
 MODEL = "SmolLM2-135M-Instruct"
 ALL_POLICIES = ("prefix", "prefix_no_pending", "round_robin", "least_loaded", "oracle")
@@ -158,12 +158,6 @@ class CpuMeter:
 
 # ----------------------------------------------------------------------------------------
 # Processes
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 class Processes:

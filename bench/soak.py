@@ -20,20 +20,15 @@ import json
 import os
 import random
 import signal
-import socket
 import sys
 import time
 from dataclasses import dataclass, field
 
 import aiohttp
 
+from events.endpoints import free_tcp_port as free_port
+
 MODEL = "SmolLM2-135M-Instruct"
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 @dataclass

@@ -8,6 +8,7 @@ with it about which side binds.
 from __future__ import annotations
 
 import os
+import random
 import socket
 
 import zmq
@@ -145,3 +146,39 @@ def bind_socket(sock: zmq.Socket, endpoint: str) -> str:
             host = os.environ.get("VLLM_HOST_IP") or "127.0.0.1"
         return f"tcp://{host}:{port}"
     return endpoint
+
+
+_port_rng = random.Random()  # its own state: tests that reseed `random` must not pick ports
+
+
+def _ephemeral_range() -> tuple[int, int]:
+    try:
+        with open("/proc/sys/net/ipv4/ip_local_port_range") as f:
+            lo, hi = f.read().split()
+        return int(lo), int(hi)
+    except (OSError, ValueError):
+        return 32768, 60999
+
+
+def free_tcp_port() -> int:
+    """A TCP port that nothing listens on, for local fleets (demo, benchmarks, tests).
+
+    Ports are drawn at random below the kernel's ephemeral range: a port taken from the
+    ephemeral range (``bind(0)``) can be handed out again as the source port of an outgoing
+    connection before the engine binds it, and two test runs side by side would draw the same
+    low ports in sequence. The check binds the wildcard address, as an engine's
+    ``tcp://*:PORT`` will.
+    """
+    lo, _hi = _ephemeral_range()
+    if lo > 12000:
+        for _ in range(200):
+            port = _port_rng.randrange(10000, lo)
+            with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+                try:
+                    s.bind(("", port))
+                except OSError:
+                    continue
+                return port
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]

@@ -20,7 +20,6 @@ import json
 import os
 import random
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -28,6 +27,8 @@ from collections import Counter
 from dataclasses import dataclass, field
 
 import aiohttp
+
+from events.endpoints import free_tcp_port as free_port
 
 MODEL = "SmolLM2-135M-Instruct"
 
@@ -80,12 +81,6 @@ WORDS = [
     "patch",
     "commit",
 ]
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def system_prompt(i: int, words: int) -> str:

